@@ -1,0 +1,155 @@
+"""The ``geoshard`` command line: thin click commands over the library.
+
+Configuration is built here, at the edge, and passed down; errors become one line on stderr and
+the exit code their class owns.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from geoshard.env import read_environment
+from geoshard.errors import GeoshardError
+from geoshard.formats import FORMATS
+from geoshard.plan import Plan, load_plan
+from geoshard.sources import S3Access
+from geoshard.units import human_bytes
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except GeoshardError as e:
+            click.echo(f"geoshard: error: {e.message}", err=True)
+            ctx.exit(e.exit_code)
+
+
+@click.group(cls=_Group, context_settings={"auto_envvar_prefix": "GEOSHARD", "help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+@click.version_option(package_name="geoshard")
+def main(verbose: int) -> None:
+    """geoshard: region-local training data for multi-region DDP."""
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for noisy in ("distributed", "tornado", "bokeh", "botocore", "urllib3"):
+        logging.getLogger(noisy).setLevel(max(level, logging.ERROR))
+
+
+def plan_option(f: F) -> F:
+    return click.option("--plan", "plan_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Region plan (TOML).")(f)
+
+
+def _s3_access(plan: Plan | None, endpoint: str | None) -> S3Access:
+    env = read_environment()
+    buckets = tuple((r.bucket_name, r.endpoint, r.profile) for r in plan.regions if r.bucket_name) if plan else ()
+    return S3Access(default_endpoint=endpoint or env.endpoint_url, buckets=buckets)  # type: ignore[arg-type]
+
+
+@main.command()
+@click.argument("sources", nargs=-1, required=True)
+@plan_option
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Output folder.")
+@click.option("--workers", type=click.IntRange(min=1), help="Size of the in-process Dask cluster (default: one per core).")
+@click.option("--scheduler", help="Run on an existing Dask cluster, e.g. tcp://10.0.0.5:8786.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), help="Source format when file names do not tell.")
+@click.option("--endpoint", help="S3 endpoint for s3:// sources whose bucket is not in the plan.")
+@click.option("--replace", is_flag=True, help="Allow replacing a split of a different plan in --out.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+def split(sources: tuple[str, ...], plan_path: Path, out: Path, workers: int | None, scheduler: str | None,
+          fmt: str | None, endpoint: str | None, replace: bool, as_json: bool) -> None:
+    """Re-shard SOURCE... by region following --plan into --out."""
+    from geoshard.cli_progress import SplitProgress, split_table
+    from geoshard.split import SplitSettings, run_split
+
+    plan = load_plan(plan_path)
+    env = read_environment()
+    created = None
+    if env.source_date_epoch is not None:
+        created = datetime.fromtimestamp(env.source_date_epoch, timezone.utc).isoformat(timespec="seconds")
+    settings = SplitSettings(
+        out=out, workers=workers, scheduler=scheduler, fmt=fmt, s3=_s3_access(plan, endpoint), replace=replace, created=created  # type: ignore[arg-type]
+    )
+    with SplitProgress(enabled=not as_json) as progress:
+        result = run_split(list(sources), plan, settings, progress=progress.update)
+    if as_json:
+        click.echo(json.dumps({
+            "out": str(out),
+            "generation": result.manifest.generation,
+            "format": result.manifest.format,
+            "samples_in": result.samples_in,
+            "bytes_in": result.bytes_in,
+            "seconds": round(result.seconds, 3),
+            "regions": {n: r.to_dict() for n, r in result.manifest.regions.items()},
+        }, indent=1))
+    else:
+        split_table(result)
+
+
+@main.command()
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def verify(directory: Path, as_json: bool) -> None:
+    """Re-hash every shard of the split in DIRECTORY against its manifest."""
+    from geoshard.verify import verify_split
+
+    _, report = verify_split(directory)
+    if as_json:
+        click.echo(json.dumps({"checked": report.checked, "missing": report.missing, "mismatched": report.mismatched}))
+    else:
+        for p in report.missing:
+            click.echo(f"missing: {p}")
+        for p in report.mismatched:
+            click.echo(f"mismatched: {p}")
+        click.echo(f"{report.checked} shards checked, {len(report.missing)} missing, {len(report.mismatched)} mismatched")
+    if not report.ok:
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def inspect(directory: Path, as_json: bool) -> None:
+    """Show the regions, shards, samples and bytes of the split in DIRECTORY."""
+    from geoshard.cli_progress import regions_table
+    from geoshard.manifest import read_manifest
+
+    m = read_manifest(directory)
+    if as_json:
+        click.echo(json.dumps({"generation": m.generation, "format": m.format, "regions": {n: r.to_dict() for n, r in m.regions.items()}}, indent=1))
+    else:
+        regions_table(m, title=f"{directory} (generation {m.generation}, {m.format})")
+
+
+@main.command()
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="wds", show_default=True)
+@click.option("--samples", type=click.IntRange(min=1), default=10000, show_default=True)
+@click.option("--sample-bytes", type=click.IntRange(min=1), default=1000, show_default=True, help="Size of each sample's image bytes.")
+@click.option("--shard-samples", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--origins", help="Comma-separated origin regions (default: us-east-1,eu-west-1,ap-southeast-1).")
+@click.option("--seed", type=int, default=0, show_default=True)
+def synth(out: Path, fmt: str, samples: int, sample_bytes: int, shard_samples: int, origins: str | None, seed: int) -> None:
+    """Write a synthetic corpus to OUT (image-like bytes, a label, an origin)."""
+    from geoshard.synth import SynthSpec, parse_origins
+    from geoshard.synth import synth as make
+
+    spec = SynthSpec(out=out, fmt=fmt, samples=samples, sample_bytes=sample_bytes, shard_samples=shard_samples, seed=seed,  # type: ignore[arg-type]
+                     **({"origins": tuple(parse_origins(origins) or ())} if origins is not None else {}))
+    paths = make(spec)
+    size = sum(p.stat().st_size for p in paths)
+    click.echo(f"wrote {samples} samples in {len(paths)} {fmt} shards ({human_bytes(size)}) to {out}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,40 @@
+"""The one place geoshard reads the process environment.
+
+Everything else receives the values as arguments, so tests and library users never depend on
+what happens to be exported.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Environment:
+    endpoint_url: str | None = None
+    region: str | None = None
+    geoshard_region: str | None = None
+    source_date_epoch: int | None = None  # reproducible-builds convention: fixes manifest timestamps
+
+    def __repr__(self) -> str:  # never print credentials; this class holds none on purpose
+        return f"Environment(endpoint_url={self.endpoint_url!r}, region={self.region!r})"
+
+
+def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
+    """Snapshot the variables geoshard honours. Credentials stay with the AWS SDK chain."""
+    env = os.environ if environ is None else environ
+    return Environment(
+        endpoint_url=env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None,
+        region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None,
+        geoshard_region=env.get("GEOSHARD_REGION") or None,
+        source_date_epoch=_int_or_none(env.get("SOURCE_DATE_EPOCH")),
+    )
+
+
+def _int_or_none(v: str | None) -> int | None:
+    try:
+        return int(v) if v else None
+    except ValueError:
+        return None

@@ -1,0 +1,224 @@
+"""The manifests: the contract between split, sync, the loaders and users.
+
+``DIR/manifest.json`` describes a split (plan, sources, generation, regions) and
+``DIR/<region>/manifest.json`` lists that region's shards with their sha256. Shard paths are
+relative to the region manifest's folder, never absolute, never containing ``..``.
+Region manifests are deterministic (no timestamps) so equal splits give equal bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from geoshard.errors import DataError
+
+MANIFEST = "manifest.json"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    path: str
+    samples: int
+    bytes: int
+    sha256: str
+    group: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "samples": self.samples, "bytes": self.bytes, "sha256": self.sha256, "group": self.group}
+
+
+@dataclass(frozen=True)
+class RegionManifest:
+    region: str
+    format: str
+    generation: int
+    plan_sha256: str
+    shards: tuple[ShardEntry, ...]
+
+    @property
+    def samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": VERSION,
+            "region": self.region,
+            "format": self.format,
+            "generation": self.generation,
+            "plan_sha256": self.plan_sha256,
+            "samples": self.samples,
+            "bytes": self.bytes,
+            "shards": [s.to_dict() for s in self.shards],
+        }
+
+    def to_json(self) -> bytes:
+        return dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: Any, name: str) -> RegionManifest:
+        try:
+            shards = tuple(
+                ShardEntry(
+                    path=check_relpath(str(s["path"]), name),
+                    samples=int(s["samples"]),
+                    bytes=int(s["bytes"]),
+                    sha256=str(s["sha256"]),
+                    group=int(s.get("group", 0)),
+                )
+                for s in d["shards"]
+            )
+            if d["format"] not in ("wds", "tfrecord"):
+                raise DataError(f"{name}: format must be 'wds' or 'tfrecord', got {d['format']!r}")
+            return cls(
+                region=str(d["region"]),
+                format=str(d["format"]),
+                generation=int(d.get("generation", 0)),
+                plan_sha256=str(d.get("plan_sha256", "")),
+                shards=shards,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"{name}: not a geoshard region manifest (missing or invalid {e})") from e
+
+
+@dataclass(frozen=True)
+class SourceEntry:
+    url: str
+    size: int
+    sha256: str
+    group: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "size": self.size, "sha256": self.sha256, "group": self.group}
+
+
+@dataclass(frozen=True)
+class RegionSummary:
+    manifest: str
+    shards: int
+    samples: int
+    bytes: int
+    sha256: str  # of the region manifest's bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"manifest": self.manifest, "shards": self.shards, "samples": self.samples, "bytes": self.bytes, "sha256": self.sha256}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    generation: int
+    created: str
+    format: str
+    plan: dict[str, Any]
+    plan_sha256: str
+    layout_sha256: str
+    regions: dict[str, RegionSummary]
+    sources: tuple[SourceEntry, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": VERSION,
+            "generation": self.generation,
+            "created": self.created,
+            "format": self.format,
+            "plan": self.plan,
+            "plan_sha256": self.plan_sha256,
+            "layout_sha256": self.layout_sha256,
+            "regions": {n: r.to_dict() for n, r in sorted(self.regions.items())},
+            "sources": [s.to_dict() for s in self.sources],
+        }
+
+    def to_json(self) -> bytes:
+        return dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: Any, name: str) -> Manifest:
+        try:
+            regions = {}
+            for rname, r in d["regions"].items():
+                regions[rname] = RegionSummary(
+                    manifest=check_relpath(str(r["manifest"]), name),
+                    shards=int(r.get("shards", 0)),
+                    samples=int(r.get("samples", 0)),
+                    bytes=int(r.get("bytes", 0)),
+                    sha256=str(r.get("sha256", "")),
+                )
+            return cls(
+                generation=int(d["generation"]),
+                created=str(d.get("created", "")),
+                format=str(d["format"]),
+                plan=dict(d["plan"]),
+                plan_sha256=str(d["plan_sha256"]),
+                layout_sha256=str(d.get("layout_sha256", "")),
+                regions=regions,
+                sources=tuple(
+                    SourceEntry(url=str(s["url"]), size=int(s["size"]), sha256=str(s["sha256"]), group=int(s.get("group", 0)))
+                    for s in d.get("sources", [])
+                ),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise DataError(f"{name}: not a geoshard manifest (missing or invalid {e})") from e
+
+
+def dumps(d: dict[str, Any]) -> bytes:
+    return (json.dumps(d, indent=1, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def check_relpath(path: str, name: str) -> str:
+    p = PurePosixPath(path)
+    if not path or p.is_absolute() or ".." in p.parts or "\\" in path or path.startswith("~"):
+        raise DataError(f"{name}: shard path {path!r} must be relative to the manifest and must not contain '..'")
+    return path
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise DataError(f"{path}: manifest not found") from None
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: unreadable manifest: {e}") from e
+
+
+def read_manifest(directory: str | Path) -> Manifest:
+    path = Path(directory) / MANIFEST
+    return Manifest.from_dict(_load_json(path), str(path))
+
+
+def read_region_manifest(path: str | Path) -> RegionManifest:
+    p = Path(path)
+    if p.is_dir():
+        p = p / MANIFEST
+    return RegionManifest.from_dict(_load_json(p), str(p))
+
+
+def parse_region_manifest(data: bytes, name: str) -> RegionManifest:
+    try:
+        return RegionManifest.from_dict(json.loads(data), name)
+    except ValueError as e:
+        raise DataError(f"{name}: unreadable manifest: {e}") from e
+
+
+def write_atomic(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see either the old or the new file, never a part."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

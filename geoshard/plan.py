@@ -1,0 +1,279 @@
+"""The region plan: which regions exist, how much of the corpus each gets, and where it lives.
+
+A plan is loaded from TOML once, at the edge, validated completely, and passed down as frozen
+dataclasses. Every validation error names the key (and its line when the file is at hand) and is
+a :class:`ConfigError` (exit 2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from geoshard.errors import ConfigError
+from geoshard.units import parse_size
+
+Policy = Literal["hash", "field", "replicate"]
+POLICIES: tuple[str, ...] = ("hash", "field", "replicate")
+DEFAULT_SHARD_BYTES = 64 * 10**6
+
+# Region names become folder names and object-key prefixes.
+_REGION_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+_TOP_KEYS = {"routing", "shards", "regions"}
+_ROUTING_KEYS = {"policy", "key", "field", "default_region", "map"}
+_SHARD_KEYS = {"bytes", "samples"}
+_REGION_KEYS = {"weight", "bucket", "endpoint", "profile", "alluxio", "local"}
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str
+    weight: float
+    bucket: str | None = None  # s3://bucket/prefix
+    endpoint: str | None = None
+    profile: str | None = None
+    alluxio: str | None = None
+    local: str | None = None
+
+    @property
+    def bucket_name(self) -> str | None:
+        return None if self.bucket is None else self.bucket[5:].split("/", 1)[0]
+
+    @property
+    def bucket_prefix(self) -> str:
+        if self.bucket is None:
+            return ""
+        rest = self.bucket[5:].split("/", 1)
+        return rest[1].strip("/") if len(rest) > 1 else ""
+
+
+@dataclass(frozen=True)
+class Routing:
+    policy: Policy = "hash"
+    key: str | None = None
+    field: str | None = None
+    default_region: str | None = None
+    map: tuple[tuple[str, str], ...] = ()
+
+    def lookup(self) -> dict[str, str]:
+        return dict(self.map)
+
+
+@dataclass(frozen=True)
+class ShardTarget:
+    bytes: int = DEFAULT_SHARD_BYTES
+    samples: int = 0  # 0: no sample limit
+
+
+@dataclass(frozen=True)
+class Plan:
+    regions: tuple[Region, ...]
+    routing: Routing = field(default_factory=Routing)
+    shards: ShardTarget = field(default_factory=ShardTarget)
+    path: str | None = field(default=None, compare=False)
+
+    @property
+    def region_names(self) -> tuple[str, ...]:
+        return tuple(r.name for r in self.regions)
+
+    def region(self, name: str) -> Region:
+        for r in self.regions:
+            if r.name == name:
+                return r
+        raise ConfigError(f"{self.path or 'plan'}: unknown region {name!r}; plan has {', '.join(self.region_names)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Normalized form: defaults filled in, keys sorted; stored in the manifest."""
+        routing: dict[str, Any] = {"policy": self.routing.policy}
+        for k in ("key", "field", "default_region"):
+            v = getattr(self.routing, k)
+            if v is not None:
+                routing[k] = v
+        if self.routing.map:
+            routing["map"] = dict(sorted(self.routing.map))
+        regions = {}
+        for r in self.regions:
+            d: dict[str, Any] = {"weight": r.weight}
+            for k in ("bucket", "endpoint", "profile", "alluxio", "local"):
+                v = getattr(r, k)
+                if v is not None:
+                    d[k] = v
+            regions[r.name] = d
+        return {
+            "routing": routing,
+            "shards": {"bytes": self.shards.bytes, "samples": self.shards.samples},
+            "regions": regions,
+        }
+
+    def sha256(self) -> str:
+        return _digest(self.to_dict())
+
+    def layout_sha256(self) -> str:
+        """Hash of what decides shard contents (routing, sizes, region names and weights), not storage targets."""
+        d = self.to_dict()
+        d["regions"] = {n: {"weight": r["weight"]} for n, r in d["regions"].items()}
+        return _digest(d)
+
+
+def _digest(d: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def load_plan(path: str | Path) -> Plan:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: plan file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: cannot read plan: {e}") from e
+    return parse_plan(text, source=str(p))
+
+
+def parse_plan(text: str, source: str = "plan") -> Plan:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source}: invalid TOML: {e}") from e
+    return plan_from_dict(doc, source=source, text=text)
+
+
+def plan_from_dict(doc: dict[str, Any], source: str = "plan", text: str | None = None) -> Plan:
+    """Validate a decoded plan. ``text`` (the TOML) only serves to name lines in errors."""
+
+    def fail(key: str, msg: str) -> ConfigError:
+        line = _line_of(text, key) if text else None
+        where = f"{source}:{line}" if line else source
+        return ConfigError(f"{where}: {key}: {msg}")
+
+    def table(d: Any, key: str) -> dict[str, Any]:
+        if not isinstance(d, dict):
+            raise fail(key, "must be a table")
+        return d
+
+    def unknown(d: dict[str, Any], allowed: set[str], prefix: str) -> None:
+        for k in d:
+            if k not in allowed:
+                raise fail(f"{prefix}{k}", f"unknown key (allowed: {', '.join(sorted(allowed))})")
+
+    def opt_str(d: dict[str, Any], k: str, prefix: str) -> str | None:
+        v = d.get(k)
+        if v is not None and (not isinstance(v, str) or not v):
+            raise fail(f"{prefix}{k}", "must be a non-empty string")
+        return v
+
+    unknown(doc, _TOP_KEYS, "")
+    regions_doc = table(doc.get("regions", {}), "regions")
+    if not regions_doc:
+        raise fail("regions", "the plan has no regions; add at least one [regions.<name>] table")
+
+    regions: list[Region] = []
+    for name, rd in regions_doc.items():
+        prefix = f"regions.{name}."
+        if not _REGION_NAME.match(name):
+            raise fail(f"regions.{name}", "region names use lowercase letters, digits, '.', '_' and '-'")
+        rd = table(rd, f"regions.{name}")
+        unknown(rd, _REGION_KEYS, prefix)
+        if "weight" not in rd:
+            raise fail(f"{prefix}weight", "missing; every region needs a weight > 0")
+        weight = rd["weight"]
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise fail(f"{prefix}weight", f"must be a number > 0, got {weight!r}")
+        bucket = opt_str(rd, "bucket", prefix)
+        if bucket is not None and not re.match(r"^s3://[a-z0-9][a-z0-9.-]{1,62}(/.*)?$", bucket):
+            raise fail(f"{prefix}bucket", f"must be an s3://bucket/prefix URL, got {bucket!r}")
+        endpoint = opt_str(rd, "endpoint", prefix)
+        alluxio = opt_str(rd, "alluxio", prefix)
+        for k, v in (("endpoint", endpoint), ("alluxio", alluxio)):
+            if v is not None and not re.match(r"^https?://[^\s/]+", v):
+                raise fail(f"{prefix}{k}", f"must be an http(s):// URL, got {v!r}")
+        regions.append(
+            Region(
+                name=name,
+                weight=weight,
+                bucket=bucket,
+                endpoint=endpoint,
+                profile=opt_str(rd, "profile", prefix),
+                alluxio=alluxio,
+                local=opt_str(rd, "local", prefix),
+            )
+        )
+    names = {r.name for r in regions}
+
+    rt = table(doc.get("routing", {}), "routing")
+    unknown(rt, _ROUTING_KEYS, "routing.")
+    policy = rt.get("policy", "hash")
+    if policy not in POLICIES:
+        raise fail("routing.policy", f"must be one of {', '.join(POLICIES)}, got {policy!r}")
+    key = opt_str(rt, "key", "routing.")
+    fld = opt_str(rt, "field", "routing.")
+    default_region = opt_str(rt, "default_region", "routing.")
+    mapping = table(rt.get("map", {}), "routing.map")
+    for value, region in mapping.items():
+        if not isinstance(region, str) or region not in names:
+            raise fail(f"routing.map.{value}", f"maps to unknown region {region!r}; plan has {', '.join(sorted(names))}")
+    if policy == "field":
+        if fld is None:
+            raise fail("routing.field", "field routing needs the field to route by, e.g. field = \"json.origin\"")
+        if not mapping:
+            raise fail("routing.map", "field routing needs a [routing.map] table of value = region")
+    if default_region is not None and default_region not in names:
+        raise fail("routing.default_region", f"unknown region {default_region!r}; plan has {', '.join(sorted(names))}")
+
+    sd = table(doc.get("shards", {}), "shards")
+    unknown(sd, _SHARD_KEYS, "shards.")
+    try:
+        shard_bytes = parse_size(sd.get("bytes", DEFAULT_SHARD_BYTES))
+    except ValueError as e:
+        raise fail("shards.bytes", str(e)) from e
+    if shard_bytes < 4096:
+        raise fail("shards.bytes", f"must be at least 4KB, got {shard_bytes}")
+    samples = sd.get("samples", 0)
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+        raise fail("shards.samples", f"must be an integer >= 0, got {samples!r}")
+
+    return Plan(
+        regions=tuple(regions),
+        routing=Routing(
+            policy=policy,
+            key=key,
+            field=fld,
+            default_region=default_region,
+            map=tuple(sorted((str(k), v) for k, v in mapping.items())),
+        ),
+        shards=ShardTarget(bytes=shard_bytes, samples=samples),
+        path=source,
+    )
+
+
+def _line_of(text: str, dotted: str) -> int | None:
+    """Best-effort line of ``dotted`` (e.g. ``regions.eu.weight``) in the TOML text."""
+    parts = dotted.split(".")
+    lines = text.splitlines()
+    # Find the deepest table header that is a prefix of the key, then the key below it.
+    for cut in range(len(parts), 0, -1):
+        header = ".".join(parts[:cut])
+        hdr = re.compile(r"^\s*\[\s*(" + re.escape(header) + r")\s*\]")
+        for i, line in enumerate(lines):
+            if hdr.match(line.replace('"', "")):
+                if cut == len(parts):
+                    return i + 1
+                leaf = parts[cut]
+                keyre = re.compile(r'^\s*"?' + re.escape(leaf) + r'"?\s*=')
+                for j in range(i + 1, len(lines)):
+                    if lines[j].lstrip().startswith("["):
+                        break
+                    if keyre.match(lines[j]):
+                        return j + 1
+                return i + 1
+    leaf = parts[-1]
+    keyre = re.compile(r'^\s*"?' + re.escape(leaf) + r'"?\s*=')
+    for i, line in enumerate(lines):
+        if keyre.match(line):
+            return i + 1
+    return None

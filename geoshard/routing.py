@@ -1,0 +1,139 @@
+"""Which region(s) a sample goes to.
+
+``hash``: weighted rendezvous hashing over a fixed table of slots. A sample's key hashes to a
+slot (blake2b, stable across machines and Python versions); each slot belongs to the region with
+the highest score ``weight / -ln(u)``, where ``u`` is a per-(region, slot) hash. Changing one
+weight only moves slots into or out of that region, so a weight change moves close to the minimal
+share of samples. ``field``: a value of the sample looked up in the plan's map (data residency).
+``replicate``: every region.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Sequence
+
+from geoshard.errors import ConfigError, DataError
+from geoshard.formats import Format
+from geoshard.formats.example import ExampleError, get_feature
+from geoshard.plan import Plan
+
+SLOT_BITS = 16
+NSLOTS = 1 << SLOT_BITS
+_SHIFT = 64 - SLOT_BITS
+
+
+def slot_table(names: Sequence[str], weights: Sequence[float]) -> bytes:
+    """Region index for each of the NSLOTS slots (one byte each)."""
+    if len(names) > 255:
+        raise ConfigError("plan: at most 255 regions are supported")
+    best = [-1.0] * NSLOTS
+    table = bytearray(NSLOTS)
+    for idx, (name, weight) in enumerate(zip(names, weights)):
+        # 8 uniform 64-bit draws per blake2b call keeps table construction in the milliseconds.
+        for block in range(NSLOTS // 8):
+            digest = hashlib.blake2b(b"%s:%d" % (name.encode(), block), digest_size=64).digest()
+            for j in range(8):
+                u = (int.from_bytes(digest[8 * j : 8 * j + 8], "little") + 0.5) / 2.0**64
+                score = weight / -math.log(u)
+                slot = block * 8 + j
+                if score > best[slot]:
+                    best[slot] = score
+                    table[slot] = idx
+    return bytes(table)
+
+
+def key_hash(key: bytes) -> int:
+    """64-bit key hash: its top SLOT_BITS pick the slot, and the whole finds duplicate keys."""
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+
+
+
+class RouteSpec:
+    """Everything a worker needs to route, small and picklable (built once on the driver)."""
+
+    def __init__(self, plan: Plan, fmt: Format) -> None:
+        self.policy = plan.routing.policy
+        self.nregions = len(plan.regions)
+        self.field = plan.routing.field
+        index = {n: i for i, n in enumerate(plan.region_names)}
+        self.map = {v: index[r] for v, r in plan.routing.map}
+        self.default = index[plan.routing.default_region] if plan.routing.default_region else None
+        self.table = slot_table(plan.region_names, [r.weight for r in plan.regions]) if self.policy == "hash" else b""
+        self.every = tuple(range(self.nregions))
+        self.singles = tuple((i,) for i in range(self.nregions))
+        if self.policy == "field" and fmt == "tfrecord" and self.field and self.field.startswith("json."):
+            raise ConfigError(
+                f"{plan.path or 'plan'}: routing.field: {self.field!r} names a JSON member, but TFRecord samples have features; name a feature"
+            )
+
+    def by_hash(self, h: int) -> tuple[int, ...]:
+        return self.singles[self.table[h >> _SHIFT]]
+
+    def by_value(self, value: str | None, source: str, sample: str) -> tuple[int, ...]:
+        idx = self.map.get(value) if value is not None else None
+        if idx is None:
+            if self.default is None:
+                what = f"has no field {self.field!r}" if value is None else f"has {self.field}={value!r}, which [routing.map] does not map"
+                raise DataError(f"{source}: sample {sample} {what}; map it or set routing.default_region")
+            idx = self.default
+        return self.singles[idx]
+
+    def wds_value(self) -> Callable[[list[tuple[bytes, bytes]]], str | None]:
+        """Field value of a WebDataset sample: ``json.a.b`` reads the .json member, else the member ``.<field>``."""
+        assert self.field is not None
+        if self.field.startswith("json."):
+            path = self.field[5:].split(".")
+
+            def from_json(members: list[tuple[bytes, bytes]]) -> str | None:
+                for name, data in members:
+                    if name.endswith(b".json"):
+                        try:
+                            v = json.loads(data)
+                            for p in path:
+                                v = v[p]
+                        except (ValueError, KeyError, TypeError, IndexError):
+                            return None
+                        return None if isinstance(v, (dict, list)) else str(v)
+                return None
+
+            return from_json
+        suffix = b"." + self.field.encode()
+
+        def from_member(members: list[tuple[bytes, bytes]]) -> str | None:
+            for name, data in members:
+                if name.endswith(suffix):
+                    return data.decode("utf-8", "replace").strip()
+            return None
+
+        return from_member
+
+    def tfrecord_value(self, source: str) -> Callable[[bytes, int], str | None]:
+        assert self.field is not None
+        fname = self.field
+
+        def value(record: bytes, index: int) -> str | None:
+            try:
+                v = get_feature(record, fname)
+            except ExampleError as e:
+                raise DataError(f"{source}: record {index} is not a tf.train.Example ({e})") from e
+            if not v:
+                return None
+            x = v[0]
+            return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
+
+        return value
+
+
+def feature_key(record: bytes, keyname: str, source: str, index: int) -> bytes:
+    """The sample key of a TFRecord record: its ``keyname`` feature as bytes."""
+    try:
+        v = get_feature(record, keyname)
+    except ExampleError as e:
+        raise DataError(f"{source}: record {index} is not a tf.train.Example ({e})") from e
+    if not v:
+        raise DataError(f"{source}: record {index} has no feature {keyname!r} (routing.key)")
+    x = v[0]
+    return x if isinstance(x, bytes) else str(x).encode()

@@ -1,0 +1,240 @@
+"""Turning SOURCE arguments into a sorted list of input files, and opening them as byte streams.
+
+A SOURCE is a file, a folder (searched recursively for shards), a glob, a brace pattern such as
+``train-{000..099}.tar``, or an ``s3://bucket/key`` URL (a key, a prefix, or a glob in the key).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import gzip
+import hashlib
+import logging
+import os
+import re
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from geoshard.errors import ConfigError, DataError, StorageError
+from geoshard.formats import Format, format_of_name, is_gzip_name
+
+log = logging.getLogger(__name__)
+_GLOB = re.compile(r"[*?\[]")
+_RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+
+
+@dataclass(frozen=True)
+class SourceRef:
+    url: str  # absolute local path or s3:// URL
+    size: int
+    format: Format
+    gzip: bool
+
+
+@dataclass(frozen=True)
+class S3Access:
+    """Where to reach S3 for each bucket; credentials stay with the AWS SDK's own chain."""
+
+    default_endpoint: str | None = None
+    buckets: tuple[tuple[str, str | None, str | None], ...] = ()  # (bucket, endpoint, profile)
+
+    def for_bucket(self, bucket: str) -> tuple[str | None, str | None]:
+        for name, endpoint, profile in self.buckets:
+            if name == bucket:
+                return endpoint or self.default_endpoint, profile
+        return self.default_endpoint, None
+
+
+def braceexpand(pattern: str) -> list[str]:
+    """Expand ``{a,b}`` alternatives and zero-padded ``{000..099}`` ranges, left to right."""
+    m = _RANGE.search(pattern)
+    alt = re.search(r"\{([^{}]*,[^{}]*)\}", pattern)
+    if m and (alt is None or m.start() < alt.start()):
+        lo, hi = m.group(1), m.group(2)
+        width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
+        step = 1 if int(hi) >= int(lo) else -1
+        out: list[str] = []
+        for i in range(int(lo), int(hi) + step, step):
+            out.extend(braceexpand(pattern[: m.start()] + str(i).zfill(width) + pattern[m.end() :]))
+        return out
+    if alt:
+        return [x for choice in alt.group(1).split(",") for x in braceexpand(pattern[: alt.start()] + choice + pattern[alt.end() :])]
+    return [pattern]
+
+
+def _sniff(path: str, fmt: Format | None) -> tuple[Format, bool]:
+    gz = is_gzip_name(path)
+    named = format_of_name(path)
+    with open(path, "rb") as f:
+        head = f.read(512)
+    if head[:2] == b"\x1f\x8b":
+        gz = True
+    elif len(head) >= 262 and head[257:262] == b"ustar":
+        named = "wds"
+    found = fmt or named
+    if found is None:
+        raise ConfigError(f"{path}: cannot tell the format; name it .tar, .tfrecord or .tfrecord.gz, or pass --format")
+    return found, gz
+
+
+def expand_sources(args: Sequence[str], fmt: Format | None = None, s3: S3Access | None = None) -> list[SourceRef]:
+    """Resolve every SOURCE; the result is sorted, deduplicated, and all of one format."""
+    if not args:
+        raise ConfigError("no SOURCE given; pass files, folders, globs or s3:// URLs")
+    refs: dict[str, SourceRef] = {}
+    for arg in args:
+        matched = 0
+        for pattern in braceexpand(arg):
+            found = _expand_s3(pattern, fmt, s3 or S3Access()) if pattern.startswith("s3://") else _expand_local(pattern, fmt)
+            for ref in found:
+                refs[ref.url] = ref
+                matched += 1
+        if matched == 0:
+            raise ConfigError(f"{arg}: source not found (no file, folder or object matches)")
+    out = sorted(refs.values(), key=lambda r: r.url)
+    formats = {r.format for r in out}
+    if len(formats) > 1:
+        raise ConfigError(f"sources mix formats ({', '.join(sorted(formats))}); split one format at a time")
+    for r in out:
+        if r.size == 0:
+            raise DataError(f"{r.url}: empty source file")
+    return out
+
+
+def _expand_local(pattern: str, fmt: Format | None) -> list[SourceRef]:
+    if _GLOB.search(pattern):
+        paths = sorted(glob.glob(pattern, recursive=True))
+        paths = [p for p in paths if os.path.isfile(p)]
+    elif os.path.isdir(pattern):
+        # A folder contributes the shards inside it; manifests and hidden temp files are not inputs.
+        paths = sorted(
+            str(p)
+            for p in Path(pattern).rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(pattern).parts) and format_of_name(p.name)
+        )
+    elif os.path.isfile(pattern):
+        paths = [pattern]
+    else:
+        return []
+    out = []
+    for p in paths:
+        ap = os.path.abspath(p)
+        f, gz = _sniff(ap, fmt)
+        out.append(SourceRef(url=ap, size=os.path.getsize(ap), format=f, gzip=gz))
+    return out
+
+
+def s3_client(endpoint: str | None, profile: str | None) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    session = boto3.session.Session(profile_name=profile) if profile else boto3.session.Session()
+    return session.client(
+        "s3",
+        endpoint_url=endpoint,
+        config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=60),
+    )
+
+
+def split_s3_url(url: str) -> tuple[str, str]:
+    rest = url[5:]
+    bucket, _, key = rest.partition("/")
+    if not bucket:
+        raise ConfigError(f"{url}: an s3 URL needs a bucket: s3://bucket/key")
+    return bucket, key
+
+
+def _s3_failure(url: str, endpoint: str | None, e: Exception) -> StorageError:
+    from botocore.exceptions import ClientError
+
+    if isinstance(e, ClientError):
+        code = e.response.get("Error", {}).get("Code", "?")
+        return StorageError(f"{url}: S3 error {code} at {endpoint or 'the default AWS endpoint'}")
+    return StorageError(f"{url}: cannot reach S3 at {endpoint or 'the default AWS endpoint'}: {type(e).__name__}")
+
+
+def _expand_s3(pattern: str, fmt: Format | None, s3: S3Access) -> list[SourceRef]:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, key = split_s3_url(pattern)
+    endpoint, profile = s3.for_bucket(bucket)
+    client = s3_client(endpoint, profile)
+    wild = _GLOB.search(key)
+    prefix = key[: wild.start()] if wild else key
+    out = []
+    try:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                k = obj["Key"]
+                if wild and not fnmatch.fnmatchcase(k, key):
+                    continue
+                if not wild and k != key and not (k.startswith(key.rstrip("/") + "/") or key == ""):
+                    continue
+                f = fmt or format_of_name(k)
+                if f is None:
+                    if k == key:
+                        raise ConfigError(f"s3://{bucket}/{k}: cannot tell the format; name it .tar or .tfrecord, or pass --format")
+                    continue
+                out.append(SourceRef(url=f"s3://{bucket}/{k}", size=int(obj["Size"]), format=f, gzip=is_gzip_name(k)))
+    except (ClientError, BotoCoreError) as e:
+        raise _s3_failure(pattern, endpoint, e) from e
+    return out
+
+
+class HashingReader:
+    """Counts and sha256-hashes every byte read through it (the manifest records each source)."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.sha.update(data)
+        self.size += len(data)
+        return data
+
+    def drain(self) -> None:
+        while self.read(1 << 20):
+            pass
+
+    def readable(self) -> bool:
+        return True
+
+
+@contextmanager
+def open_source(ref: SourceRef, s3: S3Access) -> Iterator[tuple[BinaryIO, HashingReader]]:
+    """Yield (decoded stream, hashing reader over the stored bytes)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    if ref.url.startswith("s3://"):
+        bucket, key = split_s3_url(ref.url)
+        endpoint, profile = s3.for_bucket(bucket)
+        try:
+            body = s3_client(endpoint, profile).get_object(Bucket=bucket, Key=key)["Body"]
+        except (ClientError, BotoCoreError) as e:
+            raise _s3_failure(ref.url, endpoint, e) from e
+        raw: Any = body
+    else:
+        try:
+            raw = open(ref.url, "rb")  # noqa: SIM115 - closed below
+        except OSError as e:
+            raise DataError(f"{ref.url}: cannot open source: {e.strerror}") from e
+    hashing = HashingReader(raw)
+    try:
+        if ref.gzip:
+            with gzip.GzipFile(fileobj=hashing, mode="rb") as gz:  # type: ignore[arg-type]
+                yield gz, hashing  # type: ignore[misc]
+        else:
+            yield hashing, hashing  # type: ignore[misc]
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise DataError(f"{ref.url}: corrupt or truncated gzip stream ({e})") from e
+    finally:
+        raw.close()
+

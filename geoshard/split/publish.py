@@ -1,0 +1,55 @@
+"""Atomic publication of a split: shards first, region manifests next, the top manifest last.
+
+A reader that opens any manifest finds every shard it names complete. Shards of the previous
+generation stay until the next publication, so a job that started on them can finish.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+from geoshard.errors import DataError
+from geoshard.manifest import MANIFEST, Manifest, RegionManifest, read_region_manifest, write_atomic
+from geoshard.formats import SHARD_SUFFIX
+
+log = logging.getLogger(__name__)
+TMP = ".geoshard-tmp"
+SHARD_SUFFIXES = tuple(SHARD_SUFFIX.values())
+
+
+def publish(out: Path, tmpdir: Path, manifest: Manifest, regions: Mapping[str, RegionManifest]) -> None:
+    previous: dict[str, set[str]] = {}
+    for name in regions:
+        try:
+            previous[name] = {s.path for s in read_region_manifest(out / name / MANIFEST).shards}
+        except DataError:
+            previous[name] = set()
+    for name, rm in regions.items():
+        rdir = out / name
+        rdir.mkdir(parents=True, exist_ok=True)
+        for shard in rm.shards:
+            src = tmpdir / name / shard.path
+            dst = rdir / shard.path
+            if dst.exists() and dst.stat().st_size == shard.bytes:
+                src.unlink()  # same content-addressed name: the bytes are already there
+            else:
+                os.replace(src, dst)
+    for name, rm in regions.items():
+        write_atomic(out / name / MANIFEST, rm.to_json())
+    write_atomic(out / MANIFEST, manifest.to_json())
+    for name, rm in regions.items():
+        keep = previous[name] | {s.path for s in rm.shards} | {MANIFEST}
+        for f in (out / name).iterdir():
+            if f.is_file() and f.name not in keep and f.name.endswith(SHARD_SUFFIXES):
+                log.info("removing %s (in neither this nor the previous generation)", f)
+                f.unlink()
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def manifest_sha(rm: RegionManifest) -> str:
+    return hashlib.sha256(rm.to_json()).hexdigest()

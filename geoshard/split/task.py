@@ -1,0 +1,267 @@
+"""The work one Dask task does: stream a group of sources, route samples, write region shards.
+
+Runs on a worker. Only small metadata goes back to the driver: shard names, counts, hashes, and
+the 64-bit key hashes the driver uses to find duplicate keys across groups.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from geoshard.errors import DataError
+from geoshard.formats import SHARD_SUFFIX, Format, tfrecord, wds
+from geoshard.manifest import SourceEntry
+from geoshard.routing import RouteSpec, feature_key, key_hash
+from geoshard.sources import S3Access, SourceRef, open_source
+
+log = logging.getLogger(__name__)
+PROGRESS_TOPIC = "geoshard-split-progress"
+_FLUSH = 1 << 20
+
+
+@dataclass(frozen=True)
+class GroupTask:
+    group: int
+    sources: tuple[SourceRef, ...]
+    fmt: Format
+    route: RouteSpec
+    region_names: tuple[str, ...]
+    target_bytes: int
+    target_samples: int
+    key_feature: str | None  # TFRecord: the feature holding the sample key
+    tmpdir: str
+    s3: S3Access
+
+
+@dataclass(frozen=True)
+class ShardOut:
+    region: str
+    name: str  # file name inside tmpdir/<region>/ and, once published, DIR/<region>/
+    samples: int
+    bytes: int
+    sha256: str
+    group: int
+
+
+@dataclass
+class GroupResult:
+    group: int
+    shards: list[ShardOut] = field(default_factory=list)
+    sources: list[SourceEntry] = field(default_factory=list)
+    samples_in: int = 0
+    key_hashes: bytes = b""  # sorted uint64 array
+
+
+class _ShardWriter:
+    """Writes one region's shards for one group, rolling over at the target size.
+
+    Bytes are buffered and hashed per flush, so the sha256 costs no second read of the shard.
+    """
+
+    def __init__(self, task: GroupTask, region: str) -> None:
+        self.task = task
+        self.region = region
+        self.dir = Path(task.tmpdir) / region
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.part = 0
+        self.done: list[ShardOut] = []
+        self.trailer = 2 * wds.BLOCK if task.fmt == "wds" else 0
+        self._open()
+
+    def _open(self) -> None:
+        self.path = self.dir / f"{self.task.group:05d}-{self.part:04d}.partial"
+        self.f = open(self.path, "wb")  # noqa: SIM115 - closed in _close
+        self.buf = bytearray()
+        self.sha = hashlib.sha256()
+        self.bytes = 0
+        self.samples = 0
+
+    def _flush(self) -> None:
+        self.sha.update(self.buf)
+        self.f.write(self.buf)
+        self.buf = bytearray()
+
+    def room_for(self, size: int) -> bool:
+        t = self.task
+        if self.samples == 0:
+            return True
+        if t.target_samples and self.samples >= t.target_samples:
+            return False
+        return self.bytes + size + self.trailer <= t.target_bytes
+
+    def add_tfrecord(self, framed: bytes) -> None:
+        if not self.room_for(len(framed)):
+            self._roll()
+        self.buf += framed
+        self.bytes += len(framed)
+        self.samples += 1
+        if len(self.buf) >= _FLUSH:
+            self._flush()
+
+    def add_wds(self, members: list[tuple[bytes, bytes]]) -> None:
+        size = sum(wds.BLOCK + len(d) + (-len(d) % wds.BLOCK) for _, d in members)
+        if not self.room_for(size):
+            self._roll()
+        buf = self.buf
+        before = len(buf)
+        for name, data in members:
+            buf += wds.member_header(name, len(data))
+            buf += data
+            pad = -len(data) % wds.BLOCK
+            if pad:
+                buf += bytes(pad)
+        self.bytes += len(buf) - before
+        self.samples += 1
+        if len(buf) >= _FLUSH:
+            self._flush()
+
+    def _close(self) -> None:
+        if self.trailer:
+            self.buf += bytes(self.trailer)
+        self._flush()
+        self.f.close()
+        if self.samples == 0:
+            self.path.unlink()
+            return
+        size = self.path.stat().st_size
+        sha = self.sha.hexdigest()
+        # The content hash in the name makes shards immutable objects: a changed shard gets a new
+        # name, so caches and buckets never serve stale bytes under an old name.
+        name = f"{self.task.group:05d}-{self.part:04d}-{sha[:12]}{SHARD_SUFFIX[self.task.fmt]}"
+        os.replace(self.path, self.dir / name)
+        self.done.append(ShardOut(self.region, name, self.samples, size, sha, self.task.group))
+
+    def _roll(self) -> None:
+        self._close()
+        self.part += 1
+        self._open()
+
+    def finish(self) -> list[ShardOut]:
+        self._close()
+        return self.done
+
+
+class _Progress:
+    """Sends (samples, bytes) deltas to the driver about twice a second through Dask events."""
+
+    def __init__(self) -> None:
+        try:
+            from distributed import get_worker
+
+            self.worker = get_worker()
+        except (ImportError, ValueError):
+            self.worker = None
+        self.last = time.monotonic()
+        self.samples = 0
+        self.bytes = 0
+
+    def tick(self, samples: int, nbytes: int, force: bool = False) -> None:
+        self.samples += samples
+        self.bytes += nbytes
+        now = time.monotonic()
+        if self.worker is not None and (force or now - self.last > 0.5):
+            self.worker.log_event(PROGRESS_TOPIC, {"samples": self.samples, "bytes": self.bytes})
+            self.samples = self.bytes = 0
+            self.last = now
+
+
+def run_group(task: GroupTask) -> GroupResult:
+    writers = [_ShardWriter(task, r) for r in task.region_names]
+    result = GroupResult(group=task.group)
+    hashes = array("Q")
+    seen: set[int] = set()
+    progress = _Progress()
+    try:
+        for ref in task.sources:
+            with open_source(ref, task.s3) as (stream, hashing):
+                read = [0]
+
+                def tick(samples: int) -> None:
+                    progress.tick(samples, hashing.size - read[0])
+                    read[0] = hashing.size
+
+                route = _route_wds if task.fmt == "wds" else _route_tfrecord
+                n = route(task, ref.url, stream, writers, hashes, seen, tick)
+                hashing.drain()
+            result.samples_in += n
+            result.sources.append(SourceEntry(ref.url, hashing.size, hashing.sha.hexdigest(), task.group))
+            if hashing.size != ref.size:
+                raise DataError(f"{ref.url}: changed while being split ({ref.size} bytes listed, {hashing.size} read)")
+        for w in writers:
+            result.shards.extend(w.finish())
+    except BaseException:
+        for w in writers:
+            w.f.close()
+        raise
+    progress.tick(0, 0, force=True)
+    result.key_hashes = array("Q", sorted(hashes)).tobytes()
+    return result
+
+
+def _duplicate(key: bytes, url: str) -> DataError:
+    return DataError(f"{url}: duplicate sample key {key.decode(errors='replace')!r}")
+
+
+def _route_wds(task, url, stream, writers, hashes, seen, tick: Callable[[int], None]) -> int:  # type: ignore[no-untyped-def]
+    route = task.route
+    policy = route.policy
+    value = route.wds_value() if policy == "field" else None
+    n = 0
+    for key, members in wds.iter_samples(stream, url):
+        h = key_hash(key)
+        if h in seen:
+            raise _duplicate(key, url)
+        seen.add(h)
+        hashes.append(h)
+        if policy == "hash":
+            targets = route.by_hash(h)
+        elif policy == "field":
+            targets = route.by_value(value(members), url, repr(key.decode(errors="replace")))  # type: ignore[misc]
+        else:
+            targets = route.every
+        for r in targets:
+            writers[r].add_wds(members)
+        n += 1
+        if n & 1023 == 0:
+            tick(1024)
+    tick(n & 1023)
+    return n
+
+
+def _route_tfrecord(task, url, stream, writers, hashes, seen, tick: Callable[[int], None]) -> int:  # type: ignore[no-untyped-def]
+    route = task.route
+    policy = route.policy
+    value = route.tfrecord_value(url) if policy == "field" else None
+    keyname = task.key_feature
+    n = 0
+    for index, (record, framed) in enumerate(tfrecord.iter_framed(stream, url)):
+        if keyname is not None:
+            key = feature_key(record, keyname, url, index)
+            wds.check_key(key, f"{url}: record {index}")
+            h = key_hash(key)
+            if h in seen:
+                raise _duplicate(key, url)
+            seen.add(h)
+            hashes.append(h)
+        else:
+            h = key_hash(record)
+        if policy == "hash":
+            targets = route.by_hash(h)
+        elif policy == "field":
+            targets = route.by_value(value(record, index), url, f"record {index}")  # type: ignore[misc]
+        else:
+            targets = route.every
+        for r in targets:
+            writers[r].add_tfrecord(framed)
+        n += 1
+        if n & 1023 == 0:
+            tick(1024)
+    tick(n & 1023)
+    return n

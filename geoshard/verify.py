@@ -1,0 +1,62 @@
+"""Re-hash every shard of a split against its manifest."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from geoshard.manifest import MANIFEST, RegionManifest, read_manifest, read_region_manifest
+
+
+@dataclass
+class VerifyReport:
+    checked: int = 0
+    missing: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and not self.mismatched
+
+
+def sha256_file(path: Path) -> tuple[str, int]:
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            n += len(chunk)
+    return h.hexdigest(), n
+
+
+def verify_region(rdir: Path, rm: RegionManifest, report: VerifyReport) -> None:
+    for s in rm.shards:
+        p = rdir / s.path
+        report.checked += 1
+        if not p.is_file():
+            report.missing.append(str(p))
+            continue
+        sha, n = sha256_file(p)
+        if sha != s.sha256 or n != s.bytes:
+            report.mismatched.append(str(p))
+
+
+def verify_split(directory: Path) -> tuple[dict[str, RegionManifest], VerifyReport]:
+    m = read_manifest(directory)
+    report = VerifyReport()
+    regions = {}
+    for name, summary in m.regions.items():
+        rpath = directory / summary.manifest
+        rm = read_region_manifest(rpath)
+        regions[name] = rm
+        verify_region(rpath.parent, rm, report)
+    return regions, report
+
+
+def load_regions(directory: Path) -> dict[str, RegionManifest]:
+    m = read_manifest(directory)
+    return {name: read_region_manifest(directory / s.manifest) for name, s in m.regions.items()}
+
+
+__all__ = ["MANIFEST", "VerifyReport", "load_regions", "sha256_file", "verify_region", "verify_split"]
