@@ -10,7 +10,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -46,8 +46,20 @@ def main(verbose: int) -> None:
         logging.getLogger(noisy).setLevel(max(level, logging.ERROR))
 
 
+def _quiet_dask() -> None:
+    """distributed sets its own logger levels on import; keep its chatter below ours."""
+    import distributed  # noqa: F401
+
+    ours = logging.getLogger().getEffectiveLevel()
+    for name in list(logging.root.manager.loggerDict):
+        if name.split(".")[0] in ("distributed", "tornado", "bokeh"):
+            logging.getLogger(name).setLevel(max(ours, logging.ERROR) if ours > logging.DEBUG else ours)
+
+
 def plan_option(f: F) -> F:
-    return click.option("--plan", "plan_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Region plan (TOML).")(f)
+    return click.option("--plan", "plan_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Region plan (TOML).")(
+        f
+    )
 
 
 def _s3_access(plan: Plan | None, endpoint: str | None) -> S3Access:
@@ -66,32 +78,53 @@ def _s3_access(plan: Plan | None, endpoint: str | None) -> S3Access:
 @click.option("--endpoint", help="S3 endpoint for s3:// sources whose bucket is not in the plan.")
 @click.option("--replace", is_flag=True, help="Allow replacing a split of a different plan in --out.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def split(sources: tuple[str, ...], plan_path: Path, out: Path, workers: int | None, scheduler: str | None,
-          fmt: str | None, endpoint: str | None, replace: bool, as_json: bool) -> None:
+def split(
+    sources: tuple[str, ...],
+    plan_path: Path,
+    out: Path,
+    workers: int | None,
+    scheduler: str | None,
+    fmt: str | None,
+    endpoint: str | None,
+    replace: bool,
+    as_json: bool,
+) -> None:
     """Re-shard SOURCE... by region following --plan into --out."""
     from geoshard.cli_progress import SplitProgress, split_table
     from geoshard.split import SplitSettings, run_split
 
+    _quiet_dask()
     plan = load_plan(plan_path)
     env = read_environment()
     created = None
     if env.source_date_epoch is not None:
-        created = datetime.fromtimestamp(env.source_date_epoch, timezone.utc).isoformat(timespec="seconds")
+        created = datetime.fromtimestamp(env.source_date_epoch, UTC).isoformat(timespec="seconds")
     settings = SplitSettings(
-        out=out, workers=workers, scheduler=scheduler, fmt=fmt, s3=_s3_access(plan, endpoint), replace=replace, created=created  # type: ignore[arg-type]
+        out=out,
+        workers=workers,
+        scheduler=scheduler,
+        fmt=fmt,
+        s3=_s3_access(plan, endpoint),
+        replace=replace,
+        created=created,  # type: ignore[arg-type]
     )
     with SplitProgress(enabled=not as_json) as progress:
         result = run_split(list(sources), plan, settings, progress=progress.update)
     if as_json:
-        click.echo(json.dumps({
-            "out": str(out),
-            "generation": result.manifest.generation,
-            "format": result.manifest.format,
-            "samples_in": result.samples_in,
-            "bytes_in": result.bytes_in,
-            "seconds": round(result.seconds, 3),
-            "regions": {n: r.to_dict() for n, r in result.manifest.regions.items()},
-        }, indent=1))
+        click.echo(
+            json.dumps(
+                {
+                    "out": str(out),
+                    "generation": result.manifest.generation,
+                    "format": result.manifest.format,
+                    "samples_in": result.samples_in,
+                    "bytes_in": result.bytes_in,
+                    "seconds": round(result.seconds, 3),
+                    "regions": {n: r.to_dict() for n, r in result.manifest.regions.items()},
+                },
+                indent=1,
+            )
+        )
     else:
         split_table(result)
 
@@ -126,7 +159,11 @@ def inspect(directory: Path, as_json: bool) -> None:
 
     m = read_manifest(directory)
     if as_json:
-        click.echo(json.dumps({"generation": m.generation, "format": m.format, "regions": {n: r.to_dict() for n, r in m.regions.items()}}, indent=1))
+        click.echo(
+            json.dumps(
+                {"generation": m.generation, "format": m.format, "regions": {n: r.to_dict() for n, r in m.regions.items()}}, indent=1
+            )
+        )
     else:
         regions_table(m, title=f"{directory} (generation {m.generation}, {m.format})")
 
@@ -144,8 +181,15 @@ def synth(out: Path, fmt: str, samples: int, sample_bytes: int, shard_samples: i
     from geoshard.synth import SynthSpec, parse_origins
     from geoshard.synth import synth as make
 
-    spec = SynthSpec(out=out, fmt=fmt, samples=samples, sample_bytes=sample_bytes, shard_samples=shard_samples, seed=seed,  # type: ignore[arg-type]
-                     **({"origins": tuple(parse_origins(origins) or ())} if origins is not None else {}))
+    spec = SynthSpec(
+        out=out,
+        fmt=fmt,
+        samples=samples,
+        sample_bytes=sample_bytes,
+        shard_samples=shard_samples,
+        seed=seed,  # type: ignore[arg-type]
+        **({"origins": tuple(parse_origins(origins) or ())} if origins is not None else {}),
+    )
     paths = make(spec)
     size = sum(p.stat().st_size for p in paths)
     click.echo(f"wrote {samples} samples in {len(paths)} {fmt} shards ({human_bytes(size)}) to {out}")

@@ -219,7 +219,7 @@ def plan_from_dict(doc: dict[str, Any], source: str = "plan", text: str | None =
             raise fail(f"routing.map.{value}", f"maps to unknown region {region!r}; plan has {', '.join(sorted(names))}")
     if policy == "field":
         if fld is None:
-            raise fail("routing.field", "field routing needs the field to route by, e.g. field = \"json.origin\"")
+            raise fail("routing.field", 'field routing needs the field to route by, e.g. field = "json.origin"')
         if not mapping:
             raise fail("routing.map", "field routing needs a [routing.map] table of value = region")
     if default_region is not None and default_region not in names:

@@ -50,7 +50,6 @@ def key_hash(key: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
 
-
 class RouteSpec:
     """Everything a worker needs to route, small and picklable (built once on the driver)."""
 

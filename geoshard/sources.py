@@ -237,4 +237,3 @@ def open_source(ref: SourceRef, s3: S3Access) -> Iterator[tuple[BinaryIO, Hashin
         raise DataError(f"{ref.url}: corrupt or truncated gzip stream ({e})") from e
     finally:
         raw.close()
-

@@ -66,7 +66,9 @@ def synth(spec: SynthSpec) -> list[Path]:
                 img = _image(rng, label, spec.sample_bytes, base)
                 if spec.fmt == "wds":
                     meta = json.dumps({"label": label, "origin": origin}).encode()
-                    tw.write_sample([(f"{key}.img".encode(), img), (f"{key}.cls".encode(), str(label).encode()), (f"{key}.json".encode(), meta)])
+                    tw.write_sample(
+                        [(f"{key}.img".encode(), img), (f"{key}.cls".encode(), str(label).encode()), (f"{key}.json".encode(), meta)]
+                    )
                 else:
                     tf.write(encode_example({"key": key.encode(), "image": img, "label": label, "origin": origin.encode()}))
                 i += 1

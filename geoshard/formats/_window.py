@@ -12,7 +12,7 @@ CHUNK = 1 << 20
 
 
 class Window:
-    __slots__ = ("f", "buf", "pos", "base", "chunk")
+    __slots__ = ("base", "buf", "chunk", "f", "pos")
 
     def __init__(self, f: BinaryIO, chunk: int = CHUNK) -> None:
         self.f = f

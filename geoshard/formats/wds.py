@@ -134,7 +134,9 @@ def iter_samples(f: BinaryIO, name: str) -> Iterator[Sample]:
             check_key(k, name)
             key, members, exts = k, [], set()
         elif ext in exts:
-            raise DataError(f"{name}: duplicate sample key {k.decode(errors='replace')!r}: field {ext.decode(errors='replace')!r} appears twice")
+            raise DataError(
+                f"{name}: duplicate sample key {k.decode(errors='replace')!r}: field {ext.decode(errors='replace')!r} appears twice"
+            )
         exts.add(ext)
         members.append((member, data))
     if key is not None:
@@ -171,7 +173,7 @@ def member_header(name: bytes, size: int, typeflag: bytes = b"0") -> bytes:
     prefix = b""
     if len(name) > 100:
         cut = name.rfind(b"/", 0, 156)
-        if 0 < cut and len(name) - cut - 1 <= 100:
+        if cut > 0 and len(name) - cut - 1 <= 100:
             prefix, name = name[:cut], name[cut + 1 :]
         else:
             record = b" path=" + name + b"\n"

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +77,7 @@ def dask_client(settings: SplitSettings) -> Iterator[Any]:
         return
     n = settings.workers or len(os.sched_getaffinity(0))
     with (
-        LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None, silence_logs=logging.ERROR) as cluster,
+        LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0", silence_logs=logging.ERROR) as cluster,
         Client(cluster) as client,
     ):
         yield client
@@ -211,7 +211,7 @@ def _manifests(
             manifest=f"{name}/{MANIFEST}", shards=len(shards), samples=rm.samples, bytes=rm.bytes, sha256=manifest_sha(rm)
         )
     sources: list[SourceEntry] = [s for r in results for s in r.sources]
-    created = settings.created or datetime.now(timezone.utc).isoformat(timespec="seconds")
+    created = settings.created or datetime.now(UTC).isoformat(timespec="seconds")
     manifest = Manifest(
         generation=generation,
         created=created,

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from geoshard.errors import DataError
-from geoshard.manifest import MANIFEST, Manifest, RegionManifest, read_region_manifest, write_atomic
 from geoshard.formats import SHARD_SUFFIX
+from geoshard.manifest import MANIFEST, Manifest, RegionManifest, read_region_manifest, write_atomic
 
 log = logging.getLogger(__name__)
 TMP = ".geoshard-tmp"

@@ -1,0 +1,42 @@
+# Two entry points: `make demo` and `make test`. Both create what they need from nothing.
+PYTHON ?= python3
+VENV ?= .venv
+TFVENV ?= .venv-tf
+BIN := $(VENV)/bin
+PIP_FLAGS ?= -q --disable-pip-version-check
+
+.PHONY: demo test lint typecheck pytest bench clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install $(PIP_FLAGS) --upgrade pip
+	# torch is pinned to the CPU build in pyproject; strict editable mode keeps loaders/ and trainer/ namespaced.
+	$(BIN)/python -m pip install $(PIP_FLAGS) --config-settings editable_mode=strict -e '.[test]'
+	touch $@
+
+# TensorFlow interop runs in its own venv: tensorflow-io 0.37 pins numpy<2 and TF 2.16.
+$(TFVENV)/.installed:
+	test -x $(TFVENV)/bin/python || $(PYTHON) -m venv $(TFVENV)
+	$(TFVENV)/bin/python -m pip install $(PIP_FLAGS) tensorflow-cpu==2.16.2 tensorflow-io==0.37.1
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/geoshard demo --out demo-out
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check geoshard loaders trainer
+
+typecheck: $(BIN)/.installed
+	$(BIN)/mypy
+
+pytest: $(BIN)/.installed $(TFVENV)/.installed
+	GEOSHARD_TF_PYTHON=$(abspath $(TFVENV))/bin/python $(BIN)/pytest -q
+
+test: lint typecheck pytest
+
+bench: $(BIN)/.installed
+	$(BIN)/python bench/split_bench.py
+
+clean:
+	rm -rf demo-out build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
