@@ -12,13 +12,13 @@ import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import click
 
 from geoshard.env import read_environment
 from geoshard.errors import GeoshardError
-from geoshard.formats import FORMATS
+from geoshard.formats import FORMATS, Format
 from geoshard.plan import Plan, load_plan
 from geoshard.sources import S3Access
 from geoshard.units import human_bytes
@@ -64,8 +64,11 @@ def plan_option(f: F) -> F:
 
 def _s3_access(plan: Plan | None, endpoint: str | None) -> S3Access:
     env = read_environment()
-    buckets = tuple((r.bucket_name, r.endpoint, r.profile) for r in plan.regions if r.bucket_name) if plan else ()
-    return S3Access(default_endpoint=endpoint or env.endpoint_url, buckets=buckets)  # type: ignore[arg-type]
+    buckets = []
+    for r in plan.regions if plan else ():
+        if r.bucket_name:
+            buckets.append((r.bucket_name, r.endpoint, r.profile))
+    return S3Access(default_endpoint=endpoint or env.endpoint_url, buckets=tuple(buckets))
 
 
 @main.command()
@@ -103,10 +106,10 @@ def split(
         out=out,
         workers=workers,
         scheduler=scheduler,
-        fmt=fmt,
+        fmt=cast(Format | None, fmt),
         s3=_s3_access(plan, endpoint),
         replace=replace,
-        created=created,  # type: ignore[arg-type]
+        created=created,
     )
     with SplitProgress(enabled=not as_json) as progress:
         result = run_split(list(sources), plan, settings, progress=progress.update)
@@ -183,11 +186,11 @@ def synth(out: Path, fmt: str, samples: int, sample_bytes: int, shard_samples: i
 
     spec = SynthSpec(
         out=out,
-        fmt=fmt,
+        fmt=cast(Format, fmt),
         samples=samples,
         sample_bytes=sample_bytes,
         shard_samples=shard_samples,
-        seed=seed,  # type: ignore[arg-type]
+        seed=seed,
         **({"origins": tuple(parse_origins(origins) or ())} if origins is not None else {}),
     )
     paths = make(spec)

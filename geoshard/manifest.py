@@ -8,6 +8,7 @@ Region manifests are deterministic (no timestamps) so equal splits give equal by
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import tempfile
@@ -61,7 +62,7 @@ class RegionManifest:
             "shards": [s.to_dict() for s in self.shards],
         }
 
-    def to_json(self) -> bytes:
+    def to_json(self) -> builtins.bytes:
         return dumps(self.to_dict())
 
     @classmethod

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from geoshard.errors import ConfigError, DataError
 from geoshard.formats import Format
 from geoshard.formats.example import ExampleError, get_feature
+from geoshard.formats.wds import SampleMember, member_data
 from geoshard.plan import Plan
 
 SLOT_BITS = 16
@@ -31,7 +32,7 @@ def slot_table(names: Sequence[str], weights: Sequence[float]) -> bytes:
         raise ConfigError("plan: at most 255 regions are supported")
     best = [-1.0] * NSLOTS
     table = bytearray(NSLOTS)
-    for idx, (name, weight) in enumerate(zip(names, weights)):
+    for idx, (name, weight) in enumerate(zip(names, weights, strict=True)):
         # 8 uniform 64-bit draws per blake2b call keeps table construction in the milliseconds.
         for block in range(NSLOTS // 8):
             digest = hashlib.blake2b(b"%s:%d" % (name.encode(), block), digest_size=64).digest()
@@ -65,7 +66,8 @@ class RouteSpec:
         self.singles = tuple((i,) for i in range(self.nregions))
         if self.policy == "field" and fmt == "tfrecord" and self.field and self.field.startswith("json."):
             raise ConfigError(
-                f"{plan.path or 'plan'}: routing.field: {self.field!r} names a JSON member, but TFRecord samples have features; name a feature"
+                f"{plan.path or 'plan'}: routing.field: {self.field!r} names a JSON member, "
+                "but TFRecord samples have features; name a feature"
             )
 
     def by_hash(self, h: int) -> tuple[int, ...]:
@@ -80,17 +82,17 @@ class RouteSpec:
             idx = self.default
         return self.singles[idx]
 
-    def wds_value(self) -> Callable[[list[tuple[bytes, bytes]]], str | None]:
+    def wds_value(self) -> Callable[[list[SampleMember]], str | None]:
         """Field value of a WebDataset sample: ``json.a.b`` reads the .json member, else the member ``.<field>``."""
         assert self.field is not None
         if self.field.startswith("json."):
             path = self.field[5:].split(".")
 
-            def from_json(members: list[tuple[bytes, bytes]]) -> str | None:
-                for name, data in members:
+            def from_json(members: list[SampleMember]) -> str | None:
+                for name, raw, size in members:
                     if name.endswith(b".json"):
                         try:
-                            v = json.loads(data)
+                            v = json.loads(member_data(raw, size))
                             for p in path:
                                 v = v[p]
                         except (ValueError, KeyError, TypeError, IndexError):
@@ -101,10 +103,10 @@ class RouteSpec:
             return from_json
         suffix = b"." + self.field.encode()
 
-        def from_member(members: list[tuple[bytes, bytes]]) -> str | None:
-            for name, data in members:
+        def from_member(members: list[SampleMember]) -> str | None:
+            for name, raw, size in members:
                 if name.endswith(suffix):
-                    return data.decode("utf-8", "replace").strip()
+                    return member_data(raw, size).decode("utf-8", "replace").strip()
             return None
 
         return from_member

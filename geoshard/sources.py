@@ -10,6 +10,7 @@ import fnmatch
 import glob
 import gzip
 import hashlib
+import io
 import logging
 import os
 import re
@@ -18,10 +19,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from geoshard.errors import ConfigError, DataError, StorageError
 from geoshard.formats import Format, format_of_name, is_gzip_name
+from geoshard.formats._window import Readable
 
 log = logging.getLogger(__name__)
 _GLOB = re.compile(r"[*?\[]")
@@ -189,16 +191,19 @@ def _expand_s3(pattern: str, fmt: Format | None, s3: S3Access) -> list[SourceRef
 class HashingReader:
     """Counts and sha256-hashes every byte read through it (the manifest records each source)."""
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: Readable) -> None:
         self.raw = raw
         self.sha = hashlib.sha256()
         self.size = 0
 
-    def read(self, n: int = -1) -> bytes:
+    def read(self, n: int = -1, /) -> bytes:
         data = self.raw.read(n)
         self.sha.update(data)
         self.size += len(data)
         return data
+
+    def seek(self, n: int, /) -> int:
+        raise io.UnsupportedOperation("sources are read once, front to back")
 
     def drain(self) -> None:
         while self.read(1 << 20):
@@ -209,7 +214,7 @@ class HashingReader:
 
 
 @contextmanager
-def open_source(ref: SourceRef, s3: S3Access) -> Iterator[tuple[BinaryIO, HashingReader]]:
+def open_source(ref: SourceRef, s3: S3Access) -> Iterator[tuple[Readable, HashingReader]]:
     """Yield (decoded stream, hashing reader over the stored bytes)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
@@ -229,10 +234,10 @@ def open_source(ref: SourceRef, s3: S3Access) -> Iterator[tuple[BinaryIO, Hashin
     hashing = HashingReader(raw)
     try:
         if ref.gzip:
-            with gzip.GzipFile(fileobj=hashing, mode="rb") as gz:  # type: ignore[arg-type]
-                yield gz, hashing  # type: ignore[misc]
+            with gzip.GzipFile(filename=None, mode="rb", fileobj=hashing) as gz:
+                yield gz, hashing
         else:
-            yield hashing, hashing  # type: ignore[misc]
+            yield hashing, hashing
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:
         raise DataError(f"{ref.url}: corrupt or truncated gzip stream ({e})") from e
     finally:

@@ -6,15 +6,21 @@ needs more bytes they call :meth:`fill`. Memory stays bounded by one record plus
 
 from __future__ import annotations
 
-from typing import BinaryIO
+from typing import Protocol
 
 CHUNK = 1 << 20
+
+
+class Readable(Protocol):
+    """What the readers need of a stream: files, gzip streams, S3 bodies and hashing wrappers all fit."""
+
+    def read(self, n: int = -1, /) -> bytes: ...
 
 
 class Window:
     __slots__ = ("base", "buf", "chunk", "f", "pos")
 
-    def __init__(self, f: BinaryIO, chunk: int = CHUNK) -> None:
+    def __init__(self, f: Readable, chunk: int = CHUNK) -> None:
         self.f = f
         self.buf = b""
         self.pos = 0  # parse position inside buf

@@ -69,7 +69,7 @@ def _decode_feature(buf: bytes, start: int, end: int) -> FeatureValue:
             return [bytes(buf[vs:ve]) for num, vwt, vs, ve in _fields(buf, s, e) if num == 1 and vwt == 2]
         if kind == 2:
             floats: list[float] = []
-            for num, vwt, vs, ve in _fields(buf, s, e):
+            for _, vwt, vs, ve in _fields(buf, s, e):
                 if vwt == 2:
                     floats.extend(struct.unpack(f"<{(ve - vs) // 4}f", buf[vs:ve]))
                 elif vwt == 5:
@@ -77,7 +77,7 @@ def _decode_feature(buf: bytes, start: int, end: int) -> FeatureValue:
             return floats
         if kind == 3:
             ints: list[int] = []
-            for num, vwt, vs, ve in _fields(buf, s, e):
+            for _, vwt, vs, ve in _fields(buf, s, e):
                 if vwt == 2:
                     p = vs
                     while p < ve:
@@ -143,21 +143,24 @@ def _ld(num: int, payload: bytes) -> bytes:
     return _enc_varint(num << 3 | 2) + _enc_varint(len(payload)) + payload
 
 
-def encode_example(features: Mapping[str, Sequence[bytes] | Sequence[int] | Sequence[float] | bytes | int | float | str]) -> bytes:
+Scalar = Union[bytes, str, int, float]
+
+
+def encode_example(features: Mapping[str, Scalar | Sequence[Scalar]]) -> bytes:
     """Serialize a dict of features; scalars become one-element lists, str becomes UTF-8 bytes."""
     entries = []
     for name in sorted(features):
-        value = features[name]
-        if isinstance(value, (bytes, int, float, str)):
-            value = [value]  # type: ignore[assignment]
-        values = list(value)  # type: ignore[arg-type]
-        if all(isinstance(v, (bytes, str)) for v in values):
-            body = b"".join(_ld(1, v.encode() if isinstance(v, str) else v) for v in values)  # type: ignore[union-attr]
-            feature = _ld(1, body)
-        elif all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-            feature = _ld(3, _ld(1, b"".join(_enc_varint(v) for v in values)))  # type: ignore[arg-type]
-        elif all(isinstance(v, (int, float)) for v in values):
-            feature = _ld(2, _ld(1, struct.pack(f"<{len(values)}f", *values)))
+        raw = features[name]
+        values: list[Scalar] = [raw] if isinstance(raw, (bytes, str, int, float)) else list(raw)
+        texts = [v.encode() if isinstance(v, str) else v for v in values if isinstance(v, (bytes, str))]
+        ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        nums = [float(v) for v in values if isinstance(v, (int, float))]
+        if len(texts) == len(values):
+            feature = _ld(1, b"".join(_ld(1, v) for v in texts))
+        elif len(ints) == len(values):
+            feature = _ld(3, _ld(1, b"".join(_enc_varint(v) for v in ints)))
+        elif len(nums) == len(values):
+            feature = _ld(2, _ld(1, struct.pack(f"<{len(nums)}f", *nums)))
         else:
             raise ExampleError(f"feature {name!r}: mixed or unsupported value types")
         entries.append(_ld(1, _ld(1, name.encode()) + _ld(2, feature)))

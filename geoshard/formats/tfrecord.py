@@ -13,7 +13,7 @@ from typing import BinaryIO
 import google_crc32c
 
 from geoshard.errors import DataError
-from geoshard.formats._window import Window
+from geoshard.formats._window import Readable, Window
 
 _HEADER = struct.Struct("<QI")
 _U32 = struct.Struct("<I")
@@ -31,7 +31,7 @@ def frame(record: bytes) -> bytes:
     return b"".join((length, _U32.pack(masked_crc(length)), record, _U32.pack(masked_crc(record))))
 
 
-def iter_framed(f: BinaryIO, name: str) -> Iterator[tuple[bytes, bytes]]:
+def iter_framed(f: Readable, name: str) -> Iterator[tuple[bytes, bytes]]:
     """Yield ``(record, framed)`` for every record of ``f``; ``name`` labels errors."""
     w = Window(f)
     index = 0
@@ -66,7 +66,7 @@ def iter_framed(f: BinaryIO, name: str) -> Iterator[tuple[bytes, bytes]]:
         index += 1
 
 
-def iter_records(f: BinaryIO, name: str) -> Iterator[bytes]:
+def iter_records(f: Readable, name: str) -> Iterator[bytes]:
     for data, _ in iter_framed(f, name):
         yield data
 

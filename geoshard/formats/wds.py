@@ -13,23 +13,20 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 from geoshard.errors import DataError
-from geoshard.formats._window import Window
+from geoshard.formats._window import Readable, Window
 
 EXTENSIONS = (".tar",)
 BLOCK = 512
 _ZERO = bytes(BLOCK)
 _SPACES = b" " * 8
-# webdataset's base_plus_ext: key = everything up to the first dot of the basename.
-_BASE_PLUS_EXT = re.compile(rb"^((?:.*/|)[^./]+)\.([^/]*)$")
+_adler = zlib.adler32
 _CONTROL = re.compile(rb"[\x00-\x1f\x7f]")
 
-Member = tuple[bytes, bytes]  # (full member name, data)
-Sample = tuple[bytes, list[Member]]  # (key, members in tar order)
-
-
-def split_name(name: bytes) -> tuple[bytes, bytes] | None:
-    m = _BASE_PLUS_EXT.match(name)
-    return (m.group(1), m.group(2)) if m else None
+Member = tuple[bytes, bytes]  # (full member name, data): what writers take
+RawMember = tuple[bytes, bytes, int, int]  # (name, raw header+data+padding, data size, offset)
+SampleMember = tuple[bytes, bytes, int]  # (name, raw, data size)
+Sample = tuple[bytes, list[SampleMember]]  # (key, members in tar order)
+_REGULAR = (0x30, 0x00, 0x37)  # '0', NUL (old tar), '7' (contiguous)
 
 
 def _octal(field: bytes, what: str, name: str, offset: int) -> int:
@@ -54,93 +51,122 @@ def _parse_pax(data: bytes) -> dict[bytes, bytes]:
     return out
 
 
-def iter_members(f: BinaryIO, name: str) -> Iterator[tuple[bytes, bytes, int]]:
-    """Yield ``(member name, data, header offset)`` for each regular file in the tar stream."""
+def iter_members(f: Readable, name: str) -> Iterator[RawMember]:
+    """Yield ``(member name, raw, size, header offset)`` for each regular file in the tar stream.
+
+    ``raw`` is the member encoded as one compact header block, its data and padding: the input's own
+    bytes when its header is a single block (one slice, no re-encoding), else re-encoded.
+    """
     w = Window(f)
     long_name: bytes | None = None
     first = True
+    adler = zlib.adler32
     while True:
-        if not w.fill(BLOCK):
-            if w.remaining():
-                raise DataError(f"{name}: truncated tar at byte {w.offset}: partial header")
-            if first:
-                raise DataError(f"{name}: empty file; not a tar archive")
-            return  # end of stream without end-of-archive blocks, as tarfile accepts
         pos, buf = w.pos, w.buf
-        header = buf[pos : pos + BLOCK]
-        offset = w.offset
-        if header == _ZERO:
+        if pos + BLOCK > len(buf):
+            if not w.fill(BLOCK):
+                if w.remaining():
+                    raise DataError(f"{name}: truncated tar at byte {w.offset}: partial header")
+                if first:
+                    raise DataError(f"{name}: empty file; not a tar archive")
+                return  # end of stream without end-of-archive blocks, as tarfile accepts
+            pos, buf = w.pos, w.buf
+        if buf[pos] == 0 and buf[pos : pos + BLOCK] == _ZERO:
             if first:
                 raise DataError(f"{name}: starts with an empty block; not a tar archive")
             return
         # Header checksum: the byte sum with the checksum field read as spaces. adler32's low half is
         # 1 + that sum mod 65521, which checks it at C speed.
-        stored = header[148:156].strip(b"\0 ")
         try:
-            chk = int(stored, 8)
+            chk = int(buf[pos + 148 : pos + 156].strip(b"\0 "), 8)
         except ValueError:
             chk = -1
-        if chk < 0 or (zlib.adler32(header[156:], zlib.adler32(_SPACES, zlib.adler32(header[:148]))) & 0xFFFF) != (chk + 1) % 65521:
+        if (adler(buf[pos + 156 : pos + BLOCK], adler(_SPACES, adler(buf[pos : pos + 148]))) & 0xFFFF) != (chk + 1) % 65521:
             what = "not a tar archive" if first else "corrupted tar header"
-            raise DataError(f"{name}: bad tar header checksum at byte {offset}; {what}")
+            raise DataError(f"{name}: bad tar header checksum at byte {w.offset}; {what}")
         first = False
-        size = _octal(header[124:136], "size", name, offset)
-        typeflag = header[156:157]
-        data_start = pos + BLOCK
-        padded = (size + BLOCK - 1) & ~(BLOCK - 1)
-        if not w.fill(BLOCK + padded):
-            if w.remaining() < BLOCK + size:
+        field = buf[pos + 124 : pos + 136]
+        size = int(field.strip(b"\0 ") or b"0", 8) if field[0] < 0x80 else _octal(field, "size", name, w.offset)
+        typeflag = buf[pos + 156]
+        end = pos + BLOCK + ((size + BLOCK - 1) & ~(BLOCK - 1))
+        if end > len(buf):
+            offset = w.offset
+            if not w.fill(end - pos) and w.remaining() < BLOCK + size:
                 raise DataError(f"{name}: truncated tar at byte {offset}: member declares {size} bytes")
-        pos, buf = w.pos, w.buf
-        data_start = pos + BLOCK
-        data = buf[data_start : data_start + size]
-        w.pos = min(len(buf), data_start + padded)
-        if typeflag in (b"0", b"\0", b"7"):
-            if long_name is not None:
-                member = long_name
-                long_name = None
+            pos, buf = w.pos, w.buf
+            end = pos + BLOCK + ((size + BLOCK - 1) & ~(BLOCK - 1))
+        w.pos = end if end <= len(buf) else len(buf)
+        if typeflag in _REGULAR:
+            if long_name is None:
+                nul = buf.find(b"\0", pos, pos + 100)
+                member = buf[pos : nul if nul >= 0 else pos + 100]
+                if buf[pos + 345] != 0 and buf[pos + 257 : pos + 262] == b"ustar":
+                    member = buf[pos + 345 : pos + 500].split(b"\0", 1)[0] + b"/" + member
+                raw = buf[pos:end]
+                if len(raw) < end - pos:  # last member of a stream without end blocks or padding
+                    raw += bytes(end - pos - len(raw))
             else:
-                member = header[:100].split(b"\0", 1)[0]
-                if header[257:262] == b"ustar" and header[345] != 0:
-                    member = header[345:500].split(b"\0", 1)[0] + b"/" + member
-            yield member, data, offset
-        elif typeflag == b"x":
-            long_name = _parse_pax(data).get(b"path", long_name)
-        elif typeflag == b"L":
-            long_name = data.split(b"\0", 1)[0]
+                member, long_name = long_name, None
+                data = buf[pos + BLOCK : pos + BLOCK + size]
+                raw = member_header(member, size) + data + bytes(-size % BLOCK)
+            yield member, raw, size, w.base + pos
+        elif typeflag == 0x78:  # 'x': PAX header of the next member
+            long_name = _parse_pax(buf[pos + BLOCK : pos + BLOCK + size]).get(b"path", long_name)
+        elif typeflag == 0x4C:  # 'L': GNU long name of the next member
+            long_name = buf[pos + BLOCK : pos + BLOCK + size].split(b"\0", 1)[0]
         else:
             long_name = None  # directories, links, global PAX headers: not sample members
 
 
-def iter_samples(f: BinaryIO, name: str) -> Iterator[Sample]:
-    """Group members into samples; error on members that belong to no sample or repeat a field."""
+def member_data(raw: bytes, size: int) -> bytes:
+    """The data of a member from its raw encoding (the header is always one block)."""
+    start = len(raw) - ((size + BLOCK - 1) & ~(BLOCK - 1))
+    return raw[start : start + size]
+
+
+def iter_samples(f: Readable, name: str) -> Iterator[Sample]:
+    """Group members into samples as webdataset does; error on members that belong to no sample
+    or repeat a field of their sample."""
     key: bytes | None = None
-    members: list[Member] = []
+    members: list[SampleMember] = []
     exts: set[bytes] = set()
-    for member, data, offset in iter_members(f, name):
-        parts = split_name(member)
-        if parts is None:
-            base = member.rsplit(b"/", 1)[-1]
+    for member, raw, size, offset in iter_members(f, name):
+        slash = member.rfind(b"/") + 1
+        dot = member.find(b".", slash)
+        if dot <= slash:
+            base = member[slash:]
             if base.startswith(b"__") and base.endswith(b"__"):
                 continue  # webdataset skips metadata members such as __index__
             raise DataError(
                 f"{name}: tar member {member.decode(errors='replace')!r} at byte {offset} belongs to no sample "
                 "(its basename has no '.ext' after the key)"
             )
-        k, ext = parts
+        k = member[:dot]
+        ext = member[dot + 1 :]
         if k != key:
             if key is not None:
                 yield key, members
             check_key(k, name)
-            key, members, exts = k, [], set()
+            key, members, exts = k, [], {ext}
         elif ext in exts:
             raise DataError(
                 f"{name}: duplicate sample key {k.decode(errors='replace')!r}: field {ext.decode(errors='replace')!r} appears twice"
             )
-        exts.add(ext)
-        members.append((member, data))
+        else:
+            exts.add(ext)
+        members.append((member, raw, size))
     if key is not None:
         yield key, members
+
+
+def sample_fields(members: list[SampleMember]) -> dict[str, bytes]:
+    """A sample's fields by extension, as webdataset names them (``{"jpg": b"..."}``)."""
+    out = {}
+    for member, raw, size in members:
+        slash = member.rfind(b"/") + 1
+        ext = member[member.find(b".", slash) + 1 :]
+        out[ext.decode("utf-8", "replace")] = member_data(raw, size)
+    return out
 
 
 def check_key(key: bytes, name: str) -> None:
@@ -201,12 +227,6 @@ def _pad(data: bytes) -> bytes:
     return data + bytes(-len(data) % BLOCK)
 
 
-def member_bytes(name: bytes, size: int) -> int:
-    """On-disk size of a member: header(s) plus padded data."""
-    extra = 0 if len(name) <= 100 else 2 * BLOCK  # upper bound for prefix/PAX forms
-    return BLOCK + extra + ((size + BLOCK - 1) & ~(BLOCK - 1))
-
-
 class TarWriter:
     """Writes samples as compact ustar members; ``close`` adds the end-of-archive blocks."""
 
@@ -224,6 +244,14 @@ class TarWriter:
 
     def write_sample(self, members: list[Member]) -> int:
         return sum(self.write_member(n, d) for n, d in members)
+
+    def write_raw(self, members: list[SampleMember]) -> int:
+        """Copy members as read by :func:`iter_samples` (already compact) without re-encoding."""
+        n = 0
+        for _, raw, _ in members:
+            self.f.write(raw)
+            n += len(raw)
+        return n
 
     def close(self) -> int:
         self.f.write(_ZERO * 2)

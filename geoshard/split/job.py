@@ -177,7 +177,7 @@ def _check_duplicates(results: list[GroupResult], tasks: list[GroupTask]) -> Non
     if len(keyed) < 2:
         return
     arrays = [np.frombuffer(r.key_hashes, dtype=np.uint64) for r in keyed]
-    owners = np.concatenate([np.full(len(a), r.group, dtype=np.int64) for a, r in zip(arrays, keyed)])
+    owners = np.concatenate([np.full(len(a), r.group, dtype=np.int64) for a, r in zip(arrays, keyed, strict=True)])
     allh = np.concatenate(arrays)
     order = np.argsort(allh, kind="stable")
     sorted_h = allh[order]

@@ -14,12 +14,14 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from geoshard.errors import DataError
 from geoshard.formats import SHARD_SUFFIX, Format, tfrecord, wds
+from geoshard.formats._window import Readable
 from geoshard.manifest import SourceEntry
 from geoshard.routing import RouteSpec, feature_key, key_hash
-from geoshard.sources import S3Access, SourceRef, open_source
+from geoshard.sources import HashingReader, S3Access, SourceRef, open_source
 
 log = logging.getLogger(__name__)
 PROGRESS_TOPIC = "geoshard-split-progress"
@@ -105,19 +107,16 @@ class _ShardWriter:
         if len(self.buf) >= _FLUSH:
             self._flush()
 
-    def add_wds(self, members: list[tuple[bytes, bytes]]) -> None:
-        size = sum(wds.BLOCK + len(d) + (-len(d) % wds.BLOCK) for _, d in members)
+    def add_wds(self, members: list[wds.SampleMember]) -> None:
+        size = 0
+        for m in members:
+            size += len(m[1])
         if not self.room_for(size):
             self._roll()
         buf = self.buf
-        before = len(buf)
-        for name, data in members:
-            buf += wds.member_header(name, len(data))
-            buf += data
-            pad = -len(data) % wds.BLOCK
-            if pad:
-                buf += bytes(pad)
-        self.bytes += len(buf) - before
+        for m in members:
+            buf += m[1]
+        self.bytes += size
         self.samples += 1
         if len(buf) >= _FLUSH:
             self._flush()
@@ -155,12 +154,23 @@ class _Progress:
         try:
             from distributed import get_worker
 
-            self.worker = get_worker()
+            self.worker: Any = get_worker()
         except (ImportError, ValueError):
             self.worker = None
         self.last = time.monotonic()
         self.samples = 0
         self.bytes = 0
+
+    def counter(self, hashing: HashingReader) -> Callable[[int], None]:
+        """A tick(samples) for one source; bytes come from how far its reader got."""
+        read = 0
+
+        def tick(samples: int) -> None:
+            nonlocal read
+            self.tick(samples, hashing.size - read)
+            read = hashing.size
+
+        return tick
 
     def tick(self, samples: int, nbytes: int, force: bool = False) -> None:
         self.samples += samples
@@ -181,14 +191,8 @@ def run_group(task: GroupTask) -> GroupResult:
     try:
         for ref in task.sources:
             with open_source(ref, task.s3) as (stream, hashing):
-                read = [0]
-
-                def tick(samples: int) -> None:
-                    progress.tick(samples, hashing.size - read[0])
-                    read[0] = hashing.size
-
                 route = _route_wds if task.fmt == "wds" else _route_tfrecord
-                n = route(task, ref.url, stream, writers, hashes, seen, tick)
+                n = route(task, ref.url, stream, writers, hashes, seen, progress.counter(hashing))
                 hashing.drain()
             result.samples_in += n
             result.sources.append(SourceEntry(ref.url, hashing.size, hashing.sha.hexdigest(), task.group))
@@ -209,7 +213,15 @@ def _duplicate(key: bytes, url: str) -> DataError:
     return DataError(f"{url}: duplicate sample key {key.decode(errors='replace')!r}")
 
 
-def _route_wds(task, url, stream, writers, hashes, seen, tick: Callable[[int], None]) -> int:  # type: ignore[no-untyped-def]
+def _route_wds(
+    task: GroupTask,
+    url: str,
+    stream: Readable,
+    writers: list[_ShardWriter],
+    hashes: array[int],
+    seen: set[int],
+    tick: Callable[[int], None],
+) -> int:
     route = task.route
     policy = route.policy
     value = route.wds_value() if policy == "field" else None
@@ -222,8 +234,8 @@ def _route_wds(task, url, stream, writers, hashes, seen, tick: Callable[[int], N
         hashes.append(h)
         if policy == "hash":
             targets = route.by_hash(h)
-        elif policy == "field":
-            targets = route.by_value(value(members), url, repr(key.decode(errors="replace")))  # type: ignore[misc]
+        elif value is not None:
+            targets = route.by_value(value(members), url, repr(key.decode(errors="replace")))
         else:
             targets = route.every
         for r in targets:
@@ -235,10 +247,18 @@ def _route_wds(task, url, stream, writers, hashes, seen, tick: Callable[[int], N
     return n
 
 
-def _route_tfrecord(task, url, stream, writers, hashes, seen, tick: Callable[[int], None]) -> int:  # type: ignore[no-untyped-def]
+def _route_tfrecord(
+    task: GroupTask,
+    url: str,
+    stream: Readable,
+    writers: list[_ShardWriter],
+    hashes: array[int],
+    seen: set[int],
+    tick: Callable[[int], None],
+) -> int:
     route = task.route
     policy = route.policy
-    value = route.tfrecord_value(url) if policy == "field" else None
+    tvalue = route.tfrecord_value(url) if policy == "field" else None
     keyname = task.key_feature
     n = 0
     for index, (record, framed) in enumerate(tfrecord.iter_framed(stream, url)):
@@ -254,8 +274,8 @@ def _route_tfrecord(task, url, stream, writers, hashes, seen, tick: Callable[[in
             h = key_hash(record)
         if policy == "hash":
             targets = route.by_hash(h)
-        elif policy == "field":
-            targets = route.by_value(value(record, index), url, f"record {index}")  # type: ignore[misc]
+        elif tvalue is not None:
+            targets = route.by_value(tvalue(record, index), url, f"record {index}")
         else:
             targets = route.every
         for r in targets:
