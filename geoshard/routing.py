@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from geoshard.errors import ConfigError, DataError
 from geoshard.formats import Format
 from geoshard.formats.example import ExampleError, get_feature
-from geoshard.formats.wds import SampleMember, member_data
+from geoshard.formats.wds import raw_members
 from geoshard.plan import Plan
 
 SLOT_BITS = 16
@@ -82,17 +82,17 @@ class RouteSpec:
             idx = self.default
         return self.singles[idx]
 
-    def wds_value(self) -> Callable[[list[SampleMember]], str | None]:
+    def wds_value(self) -> Callable[[bytes], str | None]:
         """Field value of a WebDataset sample: ``json.a.b`` reads the .json member, else the member ``.<field>``."""
         assert self.field is not None
         if self.field.startswith("json."):
             path = self.field[5:].split(".")
 
-            def from_json(members: list[SampleMember]) -> str | None:
-                for name, raw, size in members:
+            def from_json(raw: bytes) -> str | None:
+                for name, data in raw_members(raw):
                     if name.endswith(b".json"):
                         try:
-                            v = json.loads(member_data(raw, size))
+                            v = json.loads(data)
                             for p in path:
                                 v = v[p]
                         except (ValueError, KeyError, TypeError, IndexError):
@@ -103,10 +103,10 @@ class RouteSpec:
             return from_json
         suffix = b"." + self.field.encode()
 
-        def from_member(members: list[SampleMember]) -> str | None:
-            for name, raw, size in members:
+        def from_member(raw: bytes) -> str | None:
+            for name, data in raw_members(raw):
                 if name.endswith(suffix):
-                    return member_data(raw, size).decode("utf-8", "replace").strip()
+                    return data.decode("utf-8", "replace").strip()
             return None
 
         return from_member

@@ -44,12 +44,22 @@ START_TIMEOUT = 30.0
 STOP_GRACE = 5.0
 
 # Runs beside weed, in its process group: if the test process goes away without stopping the
-# server (the watchdog is re-parented), kill the whole group, the watchdog included.
+# server (the watchdog is re-parented), kill weed, remove the gRPC sockets it leaves in /tmp,
+# then kill the rest of the group, the watchdog included.
 _WATCHDOG = """
-import os, signal, sys, time
-owner = int(sys.argv[1])
+import glob, os, signal, sys, time
+owner, ports = int(sys.argv[1]), sys.argv[2:]
 while os.getppid() == owner:
     time.sleep(0.5)
+os.kill(os.getpgrp(), signal.SIGKILL)
+time.sleep(0.2)
+for port in ports:
+    for d in set(("/tmp", os.environ.get("TMPDIR") or "/tmp")):
+        for path in glob.glob(os.path.join(d, "seaweedfs-*-%s.sock" % port)):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 os.killpg(os.getpgrp(), signal.SIGKILL)
 """
 
@@ -91,9 +101,17 @@ def closed_port(host: str = "127.0.0.1") -> int:
 class SeaweedS3:
     """A SeaweedFS S3 server on 127.0.0.1, data under ``root``; ``start()`` again reuses dir and ports.
 
-    >>> with SeaweedS3(tmp) as s3:
-    ...     s3.make_bucket("corpus")
-    ...     s3.client().put_object(Bucket="corpus", Key="a", Body=b"x")
+    Use::
+
+        with SeaweedS3(tmp) as server:  # start() ... cleanup()
+            server.make_bucket("corpus")
+            server.upload("corpus", "raw/", [Path("train-00000.tar")])
+            with contextlib.closing(server.client()) as c:
+                c.get_object(Bucket="corpus", Key="raw/train-00000.tar")
+            subprocess.run([...], env={**os.environ, **server.env()})
+
+    Fault tests: ``kill()`` (SIGKILL now) or ``stop()`` (SIGTERM, then SIGKILL), then ``start()``
+    brings it back on the same data, ports and credentials.
     """
 
     host = "127.0.0.1"
@@ -144,9 +162,7 @@ class SeaweedS3:
             "AWS_DEFAULT_REGION": self.region,
             "AWS_CONFIG_FILE": str(self.root / "no-aws-config"),
             "AWS_SHARED_CREDENTIALS_FILE": str(self.root / "no-aws-credentials"),
-            "AWS_EC2_METADATA_DISABLED": "true",
-            "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",
-            "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required",
+            "AWS_EC2_METADATA_DISABLED": "true",  # no 169.254.169.254 lookups when credentials are missing
         }
         if endpoint:
             env["AWS_ENDPOINT_URL"] = self.endpoint
@@ -154,7 +170,14 @@ class SeaweedS3:
         return env
 
     # Variables that would override env() if left in the environment; set them to None in CliRunner/monkeypatch.
-    UNSET_ENV = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE")
+    UNSET_ENV = (
+        "AWS_SESSION_TOKEN",
+        "AWS_SECURITY_TOKEN",
+        "AWS_PROFILE",
+        "AWS_DEFAULT_PROFILE",
+        "AWS_ROLE_ARN",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+    )
 
     def client(self, *, secret_key: str | None = None, timeout: float = 10.0, attempts: int = 3) -> Any:
         """A boto3 S3 client for this server; close it (``client.close()`` or ``contextlib.closing``)."""
@@ -172,11 +195,8 @@ class SeaweedS3:
 
     def make_bucket(self, name: str) -> str:
         """Create bucket ``name`` (fine if it exists already); returns ``s3://name``."""
-        with contextlib.closing(self.client()) as c:
-            try:
-                c.create_bucket(Bucket=name)
-            except c.exceptions.BucketAlreadyOwnedByYou:
-                pass
+        with contextlib.closing(self.client()) as c, contextlib.suppress(c.exceptions.BucketAlreadyOwnedByYou):
+            c.create_bucket(Bucket=name)
         return f"s3://{name}"
 
     def upload(self, bucket: str, prefix: str, files: list[Path]) -> list[str]:
@@ -233,7 +253,8 @@ class SeaweedS3:
                 self._wait_ready(timeout)
                 return self
             except ServerError:
-                lost_race = "address already in use" in self.log_tail(200).lower()
+                tail = self.log_tail(20).lower()  # another process took a port between free_ports() and weed's bind
+                lost_race = "port allocation failed" in tail or "address already in use" in tail
                 self.stop()
                 if not (first and lost_race and attempt < 2):
                     raise
@@ -244,10 +265,8 @@ class SeaweedS3:
         proc = self._proc
         if proc is not None and proc.poll() is None:
             self._signal_group(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
         self._reap()
 
     def kill(self) -> None:
@@ -294,7 +313,7 @@ class SeaweedS3:
             process_group=0,  # its own group, so that stopping it reaches anything it starts
         )
         self._watchdog = subprocess.Popen(
-            [sys.executable, "-I", "-c", _WATCHDOG, str(os.getpid())],
+            [sys.executable, "-I", "-c", _WATCHDOG, str(os.getpid()), *map(str, self.ports.values())],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -319,7 +338,9 @@ class SeaweedS3:
                 except (BotoCoreError, ClientError) as e:
                     last = e
                 time.sleep(0.2)
-        raise ServerError(f"weed mini at {self.endpoint} did not accept a PUT within {timeout:.0f}s (last error: {last}):\n{self.log_tail()}")
+        raise ServerError(
+            f"weed mini at {self.endpoint} did not accept a PUT within {timeout:.0f}s (last error: {last}):\n{self.log_tail()}"
+        )
 
     def _signal_group(self, sig: int) -> None:
         # Only while our process (the group leader) is unreaped, so the group id cannot have been reused.
@@ -339,11 +360,12 @@ class SeaweedS3:
         if self._log is not None:
             self._log.close()
             self._log = None
-        # weed leaves gRPC unix sockets named by port in /tmp when it is killed.
-        for port in self.ports.values():
-            for stale in Path(tempfile.gettempdir()).glob(f"seaweedfs-*-{port}.sock"):
-                with contextlib.suppress(OSError):
-                    stale.unlink()
+        # weed leaves unix sockets named by port in /tmp when it is killed (and some even when stopped).
+        for d in {Path("/tmp"), Path(tempfile.gettempdir())}:
+            for port in self.ports.values():
+                for stale in d.glob(f"seaweedfs-*-{port}.sock"):
+                    with contextlib.suppress(OSError):
+                        stale.unlink()
 
 
 _LIVE: weakref.WeakSet[SeaweedS3] = weakref.WeakSet()

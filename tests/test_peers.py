@@ -11,11 +11,13 @@ from __future__ import annotations
 import base64
 import gc
 import hashlib
+import io
 import json
 import os
 import random
 import subprocess
 import sys
+import tarfile
 import warnings
 from collections import Counter
 from collections.abc import Mapping
@@ -236,31 +238,101 @@ def test_tfrecord_field_split_reads_back_in_tensorflow(tf_python: str, tf_corpus
 Sample = dict[str, bytes]
 
 
-def write_wds(src: Path, n: int = 240, per_shard: int = 70, seed: int = 3) -> dict[str, Sample]:
-    """Shards written by webdataset.ShardWriter; returns key -> {field: bytes}."""
+# Three tar dialects. webdataset.ShardWriter writes through tarfile in its default PAX format (1.0.2
+# computes its own ``format`` argument but never passes it on), so:
+#   "pax":   ShardWriter, default mtime (a float): every member gets a PAX header, long keys a PAX path;
+#   "ustar": ShardWriter, mtime=0: plain one-block ustar headers (geoshard's fast path);
+#   "gnu":   stdlib tarfile in GNU_FORMAT, as GNU tar writes: GNU magic, 'L' long-name members.
+WDS_FLAVORS = ("pax", "ustar", "gnu")
+LONG_DIR = "deep/" * 24  # 120 bytes: keys under it do not fit a 100-byte tar name
+
+
+def wds_key(i: int, flavor: str) -> str:
+    if flavor != "ustar" and i % 11 == 0:
+        return f"{LONG_DIR}s{i:05d}"
+    return f"grp{i % 4}/s{i:05d}" if i % 5 == 0 else f"s{i:05d}"
+
+
+class GnuShardWriter:
+    """The part of ShardWriter's interface write_wds uses, writing GNU-format tars with tarfile."""
+
+    def __init__(self, pattern: str, maxcount: int) -> None:
+        self.pattern, self.maxcount, self.shard, self.count = pattern, maxcount, 0, 0
+        self.tar: tarfile.TarFile | None = None
+
+    def write(self, sample: dict[str, Any]) -> None:
+        if self.tar is None or self.count >= self.maxcount:
+            self.close()
+            self.tar = tarfile.open(self.pattern % self.shard, "w", format=tarfile.GNU_FORMAT)  # noqa: SIM115 - closed in close()
+            self.shard, self.count = self.shard + 1, 0
+        for ext, data in sorted(sample.items()):
+            if ext != "__key__":
+                info = tarfile.TarInfo(f"{sample['__key__']}.{ext}")
+                info.size = len(data)
+                self.tar.addfile(info, io.BytesIO(data))
+        self.count += 1
+
+    def close(self) -> None:
+        if self.tar is not None:
+            self.tar.close()
+            self.tar = None
+
+    def __enter__(self) -> GnuShardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def write_wds(src: Path, n: int = 240, per_shard: int = 60, seed: int = 3) -> dict[str, Sample]:
+    """Shards of each flavor; returns key -> {field: bytes}."""
     rng = random.Random(seed)
     samples: dict[str, Sample] = {}
     src.mkdir(parents=True)
-    with webdataset.ShardWriter(str(src / "train-%04d.tar"), maxcount=per_shard, verbose=0) as sink:
-        for i in range(n):
-            key = f"grp{i % 4}/s{i:05d}" if i % 5 == 0 else f"s{i:05d}"
-            size = rng.choice((0, 1, 511, 512, 513, 10_000)) if i % 7 == 0 else rng.randrange(1, 3000)
-            sample = {
-                "jpg": rng.randbytes(size),
-                "cls": rng.randbytes(rng.randrange(1, 8)),
-                "json": json.dumps({"origin": ORIGINS[i % 3], "noise": rng.randbytes(12).hex()}).encode(),
-            }
-            sink.write({"__key__": key, **sample})
-            samples[key] = sample
+    for f, flavor in enumerate(WDS_FLAVORS):
+        pattern = str(src / f"{flavor}-%04d.tar")
+        sink: Any
+        if flavor == "gnu":
+            sink = GnuShardWriter(pattern, maxcount=per_shard)
+        else:
+            sink = webdataset.ShardWriter(pattern, maxcount=per_shard, verbose=0, **({"mtime": 0} if flavor == "ustar" else {}))
+        with sink:
+            for i in range(f * n // len(WDS_FLAVORS), (f + 1) * n // len(WDS_FLAVORS)):
+                key = wds_key(i, flavor)
+                if i % 7 == 4:
+                    size = rng.randrange(400_000, 800_000)  # shards over the tar reader's 4 MiB window
+                elif i % 7 == 0:
+                    size = rng.choice((0, 1, 511, 512, 513, 10_000))
+                else:
+                    size = rng.randrange(1, 3000)
+                sample = {
+                    "jpg": rng.randbytes(size),
+                    "cls": rng.randbytes(rng.randrange(1, 8)),
+                    "json": json.dumps({"origin": ORIGINS[i % 3], "noise": rng.randbytes(12).hex()}).encode(),
+                }
+                sink.write({"__key__": key, **sample})
+                samples[key] = sample
     return samples
+
+
+def tar_headers(path: Path) -> list[tuple[bytes, bytes]]:
+    """(typeflag, magic) of every header block of a tar file, extension headers included."""
+    data = path.read_bytes()
+    out = []
+    pos = 0
+    while pos + 512 <= len(data) and data[pos : pos + 512] != bytes(512):
+        header = data[pos : pos + 512]
+        out.append((header[156:157], header[257:265]))
+        pos += 512 + (int(header[124:136].strip(b"\0 ") or b"0", 8) + 511) // 512 * 512
+    return out
 
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def read_wds(urls: list[str]) -> list[tuple[str, Sample]]:
-    """Samples of ``urls`` as webdataset.WebDataset yields them: (key, {field: bytes}), in order."""
+def read_wds(urls: list[str]) -> list[tuple[str, str, Sample]]:
+    """Samples of ``urls`` as webdataset.WebDataset yields them: (shard url, key, {field: bytes}), in order."""
     fds = open_fds()
     # webdataset 1.0.2 opens local shards (cache.StreamingOpen) and never closes them; the files
     # close when collected, with a ResourceWarning (webdataset#311, #383). Collect them here, where
@@ -269,7 +341,7 @@ def read_wds(urls: list[str]) -> list[tuple[str, Sample]]:
         warnings.simplefilter("ignore", ResourceWarning)
         # 1.0.2 warns unless shardshuffle is set explicitly; counts are checked by the callers, not by empty_check.
         ds = webdataset.WebDataset(urls, shardshuffle=False, empty_check=False)
-        samples = [(s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")}) for s in ds]
+        samples = [(s["__url__"], s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")}) for s in ds]
         del ds
         gc.collect()
     assert open_fds() <= fds, "webdataset left shard files open"
@@ -277,13 +349,17 @@ def read_wds(urls: list[str]) -> list[tuple[str, Sample]]:
 
 
 def wds_region_samples(out: Path) -> dict[str, list[tuple[str, Sample]]]:
+    """Region -> its samples (key, fields) as webdataset reads its shards, in manifest order."""
     shards = region_shards(out)
     assert all(p.name.endswith(".tar") for _, p, _ in shards)
+    got = read_wds([str(p) for _, p, _ in shards])
+    per_shard = Counter(url for url, _, _ in got)
     by_region: dict[str, list[tuple[str, Sample]]] = {region: [] for region in REGIONS}
+    region_of = {str(p): region for region, p, _ in shards}
     for region, path, entry in shards:
-        got = read_wds([str(path)])
-        assert len(got) == entry["samples"], f"{region}/{path.name}: manifest says {entry['samples']} samples"
-        by_region[region].extend(got)
+        assert per_shard[str(path)] == entry["samples"], f"{region}/{path.name}: manifest says {entry['samples']} samples"
+    for url, key, sample in got:
+        by_region[region_of[url]].append((key, sample))
     return by_region
 
 
@@ -291,10 +367,19 @@ def wds_region_samples(out: Path) -> dict[str, list[tuple[str, Sample]]]:
 def wds_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Sample]]:
     src = tmp_path_factory.mktemp("wds-corpus") / "in"
     samples = write_wds(src)
+    # The dialects are what the comments above say, so each path of geoshard's tar reader runs.
+    headers = {flavor: [h for p in src.glob(f"{flavor}-*.tar") for h in tar_headers(p)] for flavor in WDS_FLAVORS}
+    assert {t for t, _ in headers["ustar"]} == {b"0"}
+    assert {m for _, m in headers["ustar"]} == {b"ustar\x0000"}
+    assert {t for t, _ in headers["pax"]} == {b"0", b"x"}
+    assert {t for t, _ in headers["gnu"]} == {b"0", b"L"}
+    assert {m for _, m in headers["gnu"]} == {b"ustar  \x00"}
+    assert max(p.stat().st_size for p in src.glob("ustar-*.tar")) > 4 << 20, "samples must cross read-window boundaries"
     # The input reads back through webdataset as written (guards the comparisons below).
-    back = read_wds(sorted(str(p) for p in src.glob("*.tar")))
+    back = [(key, sample) for _, key, sample in read_wds(sorted(str(p) for p in src.glob("*.tar")))]
     assert dict(back) == samples
     assert len(back) == len(samples) == 240
+    assert sum(k.startswith(LONG_DIR) for k in samples) >= 10
     return src, samples
 
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
+from servers import SeaweedS3, closed_port
 
 from geoshard.cli import main
 from geoshard.manifest import MANIFEST
 from geoshard.synth import SynthSpec, synth
-from servers import SeaweedS3, closed_port
 
 PLAN_BUCKET = "corpus-a"  # named by a plan region, with the endpoint
 OTHER_BUCKET = "corpus-b"  # not in the plan: reached through --endpoint
@@ -59,11 +59,16 @@ bucket = "s3://eu-west-dest/geoshard"
 """
 
 
-def cli_env(server: SeaweedS3, **extra: str) -> dict[str, str | None]:
-    env: dict[str, str | None] = {k: None for k in (*SeaweedS3.UNSET_ENV, "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")}
+def cli_env(server: SeaweedS3) -> dict[str, str | None]:
+    """Credentials only (the plan or --endpoint must name the server).
+
+    AWS_ENDPOINT_URL points at a closed local port: the plan's endpoint and --endpoint must win
+    over it, and if they ever did not, the split fails here at once instead of calling real AWS.
+    """
+    trap = f"http://127.0.0.1:{closed_port()}"
+    env: dict[str, str | None] = dict.fromkeys(SeaweedS3.UNSET_ENV)
     env.update(server.env(endpoint=False))
-    env["SOURCE_DATE_EPOCH"] = EPOCH
-    env.update(extra)
+    env.update({"AWS_ENDPOINT_URL": trap, "AWS_ENDPOINT_URL_S3": trap, "SOURCE_DATE_EPOCH": EPOCH})
     return env
 
 
@@ -88,11 +93,11 @@ def failed(result: Result) -> str:
 
 
 def files_of(out: Path) -> dict[str, bytes]:
-    """Every file a split published, except the top manifest (its sources name the inputs)."""
+    """Every file a split published, but the top manifest (its sources name the inputs) and dot-files (lock, tmp)."""
     return {
         str(p.relative_to(out)): p.read_bytes()
         for p in sorted(out.rglob("*"))
-        if p.is_file() and p.relative_to(out) != Path(MANIFEST) and not p.name.startswith(".")
+        if p.is_file() and p.relative_to(out) != Path(MANIFEST) and not any(part.startswith(".") for part in p.relative_to(out).parts)
     }
 
 
@@ -141,9 +146,7 @@ def urls(bucket: str, files: tuple[Path, ...] | list[Path]) -> list[str]:
     [(PLAN_BUCKET, ()), (OTHER_BUCKET, ("--endpoint",))],
     ids=["endpoint-from-plan", "endpoint-option"],
 )
-def test_split_from_s3_prefix_matches_local(
-    s3: SeaweedS3, corpus: Corpus, tmp_path: Path, bucket: str, extra: tuple[str, ...]
-) -> None:
+def test_split_from_s3_prefix_matches_local(s3: SeaweedS3, corpus: Corpus, tmp_path: Path, bucket: str, extra: tuple[str, ...]) -> None:
     out = tmp_path / "out"
     options = [*extra, s3.endpoint] if extra else []
     report = ok(split([f"s3://{bucket}/{PREFIX}"], corpus.plan, out, corpus.env, *options))

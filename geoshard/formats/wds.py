@@ -7,6 +7,7 @@ one key form a sample. Fields are kept byte-identical. geoshard writes compact u
 
 from __future__ import annotations
 
+import io
 import re
 import zlib
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from typing import BinaryIO
 
 from geoshard.errors import DataError
 from geoshard.formats._window import Readable, Window
+from geoshard.formats.tarscan import scan
 
 EXTENSIONS = (".tar",)
 BLOCK = 512
@@ -22,11 +24,12 @@ _SPACES = b" " * 8
 _adler = zlib.adler32
 _CONTROL = re.compile(rb"[\x00-\x1f\x7f]")
 
-Member = tuple[bytes, bytes]  # (full member name, data): what writers take
-RawMember = tuple[bytes, bytes, int, int]  # (name, raw header+data+padding, data size, offset)
-SampleMember = tuple[bytes, bytes, int]  # (name, raw, data size)
-Sample = tuple[bytes, list[SampleMember]]  # (key, members in tar order)
+Member = tuple[bytes, bytes]  # (full member name, data)
+# A sample as the split moves it: its key and its members as compact tar bytes (each member one
+# header block, data, padding), ready to append to an output shard without re-encoding.
+RawSample = tuple[bytes, bytes]
 _REGULAR = (0x30, 0x00, 0x37)  # '0', NUL (old tar), '7' (contiguous)
+CHUNK = 4 << 20  # read window; big enough that the vectorized scan amortizes its fixed cost
 
 
 def _octal(field: bytes, what: str, name: str, offset: int) -> int:
@@ -51,15 +54,14 @@ def _parse_pax(data: bytes) -> dict[bytes, bytes]:
     return out
 
 
-def iter_members(f: Readable, name: str) -> Iterator[RawMember]:
-    """Yield ``(member name, raw, size, header offset)`` for each regular file in the tar stream.
+def _members(w: Window, name: str) -> Iterator[tuple[bytes, bytes, int, int]]:
+    """Member by member: ``(member name, raw, data size, header offset)``.
 
-    ``raw`` is the member encoded as one compact header block, its data and padding: the input's own
-    bytes when its header is a single block (one slice, no re-encoding), else re-encoded.
+    ``raw`` is the member as one header block, data and padding: the input's own bytes when its
+    header is a single block, else re-encoded compactly.
     """
-    w = Window(f)
     long_name: bytes | None = None
-    first = True
+    first = w.offset == 0
     adler = zlib.adler32
     while True:
         pos, buf = w.pos, w.buf
@@ -74,6 +76,7 @@ def iter_members(f: Readable, name: str) -> Iterator[RawMember]:
         if buf[pos] == 0 and buf[pos : pos + BLOCK] == _ZERO:
             if first:
                 raise DataError(f"{name}: starts with an empty block; not a tar archive")
+            w.pos = len(w.buf)
             return
         # Header checksum: the byte sum with the checksum field read as spaces. adler32's low half is
         # 1 + that sum mod 65521, which checks it at C speed.
@@ -85,8 +88,7 @@ def iter_members(f: Readable, name: str) -> Iterator[RawMember]:
             what = "not a tar archive" if first else "corrupted tar header"
             raise DataError(f"{name}: bad tar header checksum at byte {w.offset}; {what}")
         first = False
-        field = buf[pos + 124 : pos + 136]
-        size = int(field.strip(b"\0 ") or b"0", 8) if field[0] < 0x80 else _octal(field, "size", name, w.offset)
+        size = _octal(buf[pos + 124 : pos + 136], "size", name, w.offset)
         typeflag = buf[pos + 156]
         end = pos + BLOCK + ((size + BLOCK - 1) & ~(BLOCK - 1))
         if end > len(buf):
@@ -95,21 +97,22 @@ def iter_members(f: Readable, name: str) -> Iterator[RawMember]:
                 raise DataError(f"{name}: truncated tar at byte {offset}: member declares {size} bytes")
             pos, buf = w.pos, w.buf
             end = pos + BLOCK + ((size + BLOCK - 1) & ~(BLOCK - 1))
-        w.pos = end if end <= len(buf) else len(buf)
+        header_offset = w.base + pos
+        w.pos = min(end, len(buf))
         if typeflag in _REGULAR:
             if long_name is None:
                 nul = buf.find(b"\0", pos, pos + 100)
                 member = buf[pos : nul if nul >= 0 else pos + 100]
                 if buf[pos + 345] != 0 and buf[pos + 257 : pos + 262] == b"ustar":
                     member = buf[pos + 345 : pos + 500].split(b"\0", 1)[0] + b"/" + member
-                raw = buf[pos:end]
-                if len(raw) < end - pos:  # last member of a stream without end blocks or padding
-                    raw += bytes(end - pos - len(raw))
+                    raw = member_header(member, size) + buf[pos + BLOCK : end]
+                else:
+                    raw = buf[pos:end]
+                raw += bytes(end - pos - len(raw))  # a final member without padding
             else:
                 member, long_name = long_name, None
-                data = buf[pos + BLOCK : pos + BLOCK + size]
-                raw = member_header(member, size) + data + bytes(-size % BLOCK)
-            yield member, raw, size, w.base + pos
+                raw = member_header(member, size) + buf[pos + BLOCK : pos + BLOCK + size] + bytes(-size % BLOCK)
+            yield member, raw, size, header_offset
         elif typeflag == 0x78:  # 'x': PAX header of the next member
             long_name = _parse_pax(buf[pos + BLOCK : pos + BLOCK + size]).get(b"path", long_name)
         elif typeflag == 0x4C:  # 'L': GNU long name of the next member
@@ -118,19 +121,12 @@ def iter_members(f: Readable, name: str) -> Iterator[RawMember]:
             long_name = None  # directories, links, global PAX headers: not sample members
 
 
-def member_data(raw: bytes, size: int) -> bytes:
-    """The data of a member from its raw encoding (the header is always one block)."""
-    start = len(raw) - ((size + BLOCK - 1) & ~(BLOCK - 1))
-    return raw[start : start + size]
-
-
-def iter_samples(f: Readable, name: str) -> Iterator[Sample]:
-    """Group members into samples as webdataset does; error on members that belong to no sample
-    or repeat a field of their sample."""
+def _slow_samples(w: Window, name: str) -> Iterator[RawSample]:
+    """Group members into samples one member at a time (any tar dialect, precise errors)."""
     key: bytes | None = None
-    members: list[SampleMember] = []
-    exts: set[bytes] = set()
-    for member, raw, size, offset in iter_members(f, name):
+    parts: list[bytes] = []
+    names: set[bytes] = set()
+    for member, raw, _, offset in _members(w, name):
         slash = member.rfind(b"/") + 1
         dot = member.find(b".", slash)
         if dot <= slash:
@@ -142,30 +138,65 @@ def iter_samples(f: Readable, name: str) -> Iterator[Sample]:
                 "(its basename has no '.ext' after the key)"
             )
         k = member[:dot]
-        ext = member[dot + 1 :]
         if k != key:
             if key is not None:
-                yield key, members
+                yield key, b"".join(parts)
             check_key(k, name)
-            key, members, exts = k, [], {ext}
-        elif ext in exts:
+            key, parts, names = k, [], set()
+        elif member in names:
             raise DataError(
-                f"{name}: duplicate sample key {k.decode(errors='replace')!r}: field {ext.decode(errors='replace')!r} appears twice"
+                f"{name}: duplicate sample key {k.decode(errors='replace')!r}: field "
+                f"{member[dot + 1 :].decode(errors='replace')!r} appears twice"
             )
-        else:
-            exts.add(ext)
-        members.append((member, raw, size))
+        names.add(member)
+        parts.append(raw)
     if key is not None:
-        yield key, members
+        yield key, b"".join(parts)
 
 
-def sample_fields(members: list[SampleMember]) -> dict[str, bytes]:
+def iter_raw_samples(f: Readable, name: str) -> Iterator[RawSample]:
+    """Yield ``(key, raw)`` per sample, grouped exactly as webdataset groups members.
+
+    Windows of plain ustar members go through the vectorized scanner; at the first window it
+    declines (PAX headers, long names, metadata members, errors) the rest of the stream is read
+    member by member, which also gives the precise error message.
+    """
+    w = Window(f, CHUNK)
+    while True:
+        more = w.fill(CHUNK)
+        r = scan(w.buf, w.pos, eof=not more)
+        if r is None:
+            yield from _slow_samples(w, name)
+            return
+        buf = w.buf
+        for key, start, end in zip(r.keys, r.starts, r.ends, strict=True):
+            yield key, buf[start:end]
+        w.pos = r.consumed
+        if r.end_of_archive:
+            return
+
+
+def raw_members(raw: bytes) -> list[Member]:
+    """The ``(member name, data)`` pairs of a raw sample."""
+    out = []
+    for member, mraw, size, _ in _members(Window(io.BytesIO(raw)), "sample"):
+        start = len(mraw) - ((size + BLOCK - 1) & ~(BLOCK - 1))  # data follows the header block(s)
+        out.append((member, mraw[start : start + size]))
+    return out
+
+
+def iter_samples(f: Readable, name: str) -> Iterator[tuple[bytes, list[Member]]]:
+    """``(key, [(member name, data), ...])`` per sample; convenient, slower than raw samples."""
+    for key, raw in iter_raw_samples(f, name):
+        yield key, raw_members(raw)
+
+
+def sample_fields(members: list[Member]) -> dict[str, bytes]:
     """A sample's fields by extension, as webdataset names them (``{"jpg": b"..."}``)."""
     out = {}
-    for member, raw, size in members:
+    for member, data in members:
         slash = member.rfind(b"/") + 1
-        ext = member[member.find(b".", slash) + 1 :]
-        out[ext.decode("utf-8", "replace")] = member_data(raw, size)
+        out[member[member.find(b".", slash) + 1 :].decode("utf-8", "replace")] = data
     return out
 
 
@@ -245,13 +276,10 @@ class TarWriter:
     def write_sample(self, members: list[Member]) -> int:
         return sum(self.write_member(n, d) for n, d in members)
 
-    def write_raw(self, members: list[SampleMember]) -> int:
-        """Copy members as read by :func:`iter_samples` (already compact) without re-encoding."""
-        n = 0
-        for _, raw, _ in members:
-            self.f.write(raw)
-            n += len(raw)
-        return n
+    def write_raw(self, raw: bytes) -> int:
+        """Append a raw sample from :func:`iter_raw_samples` as is."""
+        self.f.write(raw)
+        return len(raw)
 
     def close(self) -> int:
         self.f.write(_ZERO * 2)

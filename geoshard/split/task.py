@@ -107,18 +107,13 @@ class _ShardWriter:
         if len(self.buf) >= _FLUSH:
             self._flush()
 
-    def add_wds(self, members: list[wds.SampleMember]) -> None:
-        size = 0
-        for m in members:
-            size += len(m[1])
-        if not self.room_for(size):
+    def add_wds(self, raw: bytes) -> None:
+        if not self.room_for(len(raw)):
             self._roll()
-        buf = self.buf
-        for m in members:
-            buf += m[1]
-        self.bytes += size
+        self.buf += raw
+        self.bytes += len(raw)
         self.samples += 1
-        if len(buf) >= _FLUSH:
+        if len(self.buf) >= _FLUSH:
             self._flush()
 
     def _close(self) -> None:
@@ -226,7 +221,7 @@ def _route_wds(
     policy = route.policy
     value = route.wds_value() if policy == "field" else None
     n = 0
-    for key, members in wds.iter_samples(stream, url):
+    for key, raw in wds.iter_raw_samples(stream, url):
         h = key_hash(key)
         if h in seen:
             raise _duplicate(key, url)
@@ -235,11 +230,11 @@ def _route_wds(
         if policy == "hash":
             targets = route.by_hash(h)
         elif value is not None:
-            targets = route.by_value(value(members), url, repr(key.decode(errors="replace")))
+            targets = route.by_value(value(raw), url, repr(key.decode(errors="replace")))
         else:
             targets = route.every
         for r in targets:
-            writers[r].add_wds(members)
+            writers[r].add_wds(raw)
         n += 1
         if n & 1023 == 0:
             tick(1024)

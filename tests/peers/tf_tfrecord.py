@@ -89,7 +89,12 @@ def write(spec: dict, out: dict) -> None:
         with tf.io.TFRecordWriter(f["path"], options=options) as w:
             for _ in range(f["records"]):
                 key = f"{spec['prefix']}-{n:05d}" + ("-ключ" if n % 17 == 0 else "")
-                size = rng.choice((0, 1, 511, 512, 513)) if n % 10 == 0 else rng.randrange(1, 2000)
+                if n % 23 == 11:
+                    size = rng.randrange(200_000, 400_000)  # records across the readers' 1 MiB windows
+                elif n % 10 == 0:
+                    size = rng.choice((0, 1, 511, 512, 513))
+                else:
+                    size = rng.randrange(1, 2000)
                 image = rng.randbytes(size)
                 label = LABELS[n % len(LABELS)] if n % 3 == 0 else rng.randrange(-(2**40), 2**40)
                 origin = rng.choice(origins)

@@ -1,0 +1,111 @@
+"""The region plan: valid plans load into frozen dataclasses; every invalid plan names its key."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from geoshard.errors import ConfigError
+from geoshard.plan import DEFAULT_SHARD_BYTES, load_plan, parse_plan
+
+FULL = """
+[routing]
+policy = "field"
+field = "json.origin"
+default_region = "us-east-1"
+[routing.map]
+"eu-west-1" = "eu-west-1"
+"us-east-1" = "us-east-1"
+
+[shards]
+bytes = "32MB"
+samples = 1000
+
+[regions.us-east-1]
+weight = 2
+bucket = "s3://corpus-use1/train"
+endpoint = "http://127.0.0.1:18333"
+alluxio = "http://alluxio-use1:28080"
+local = "/mnt/nvme/geoshard/us-east-1"
+
+[regions.eu-west-1]
+weight = 1
+"""
+
+
+def test_full_plan_loads_frozen_with_every_key() -> None:
+    plan = parse_plan(FULL)
+    assert plan.region_names == ("us-east-1", "eu-west-1")
+    use1 = plan.region("us-east-1")
+    assert (use1.weight, use1.bucket_name, use1.bucket_prefix) == (2, "corpus-use1", "train")
+    assert use1.endpoint == "http://127.0.0.1:18333" and use1.local == "/mnt/nvme/geoshard/us-east-1"
+    assert plan.routing.policy == "field" and plan.routing.lookup() == {"eu-west-1": "eu-west-1", "us-east-1": "us-east-1"}
+    assert (plan.shards.bytes, plan.shards.samples) == (32_000_000, 1000)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.routing = None  # type: ignore[misc,assignment]
+
+
+def test_defaults_and_hashes() -> None:
+    plan = parse_plan("[regions.a]\nweight = 1\n")
+    assert plan.routing.policy == "hash" and plan.shards.bytes == DEFAULT_SHARD_BYTES and plan.shards.samples == 0
+    # Storage targets do not change the layout hash (what decides shard contents); weights do.
+    moved = parse_plan('[regions.a]\nweight = 1\nbucket = "s3://bkt/p"\n')
+    heavier = parse_plan("[regions.a]\nweight = 2\n")
+    assert moved.layout_sha256() == plan.layout_sha256() and moved.sha256() != plan.sha256()
+    assert heavier.layout_sha256() != plan.layout_sha256()
+
+
+BAD = [
+    ("", "regions", "no regions"),
+    ("[routing]\npolicy='hash'\n", "regions", "no regions"),
+    ("[regions.a]\nweight = 0\n", "regions.a.weight", "> 0"),
+    ("[regions.a]\nweight = -1\n", "regions.a.weight", "> 0"),
+    ("[regions.a]\nweight = true\n", "regions.a.weight", "> 0"),
+    ("[regions.a]\n", "regions.a.weight", "missing"),
+    ("[regions.a]\nweight = 1\ncolour = 'red'\n", "regions.a.colour", "unknown key"),
+    ("[regions.a]\nweight = 1\n[extra]\nx = 1\n", "extra", "unknown key"),
+    ("[regions.a]\nweight = 1\n[routing]\npolicy = 'random'\n", "routing.policy", "must be one of"),
+    ("[regions.a]\nweight = 1\nbucket = 'gs://x/y'\n", "regions.a.bucket", "s3://"),
+    ("[regions.a]\nweight = 1\nbucket = 's3://'\n", "regions.a.bucket", "s3://"),
+    ("[regions.a]\nweight = 1\nendpoint = 'localhost:9000'\n", "regions.a.endpoint", "http"),
+    ("[regions.a]\nweight = 1\n[routing]\npolicy = 'field'\nfield = 'origin'\n", "routing.map", "needs a [routing.map]"),
+    ("[regions.a]\nweight = 1\n[routing]\npolicy = 'field'\n[routing.map]\nx = 'a'\n", "routing.field", "needs the field"),
+    ("[regions.a]\nweight = 1\n[routing]\npolicy = 'field'\nfield = 'o'\n[routing.map]\nx = 'mars'\n", "routing.map.x", "unknown region"),
+    ("[regions.a]\nweight = 1\n[routing]\ndefault_region = 'b'\n", "routing.default_region", "unknown region"),
+    ("[regions.a]\nweight = 1\n[shards]\nbytes = 'lots'\n", "shards.bytes", "size like"),
+    ("[regions.a]\nweight = 1\n[shards]\nbytes = 100\n", "shards.bytes", "at least"),
+    ("[regions.a]\nweight = 1\n[shards]\nsamples = -1\n", "shards.samples", ">= 0"),
+    ("[regions.A_B]\nweight = 1\n", "regions.A_B", "lowercase"),
+]
+
+
+@pytest.mark.parametrize(("text", "key", "words"), BAD, ids=[b[1] + ":" + b[2] for b in BAD])
+def test_invalid_plan_names_the_key(text: str, key: str, words: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_plan(text, source="p.toml")
+    msg = str(info.value)
+    assert msg.startswith("p.toml") and key in msg and words in msg and "\n" not in msg
+    assert info.value.exit_code == 2
+
+
+def test_duplicate_key_names_the_line(tmp_path: Path) -> None:
+    p = tmp_path / "plan.toml"
+    p.write_text("[regions.a]\nweight = 1\nweight = 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_plan(p)
+    assert str(p) in str(info.value) and "line 3" in str(info.value)
+
+
+def test_error_names_the_line_of_the_key(tmp_path: Path) -> None:
+    p = tmp_path / "plan.toml"
+    p.write_text("[regions.a]\nweight = 1\n\n[regions.b]\nbucket = 's3://x/y'\nweight = 0\n")
+    with pytest.raises(ConfigError) as info:
+        load_plan(p)
+    assert f"{p}:6: regions.b.weight" in str(info.value)
+
+
+def test_missing_plan_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="plan file not found"):
+        load_plan(tmp_path / "nope.toml")
