@@ -231,8 +231,8 @@ def plan_from_dict(doc: dict[str, Any], source: str = "plan", text: str | None =
         shard_bytes = parse_size(sd.get("bytes", DEFAULT_SHARD_BYTES))
     except ValueError as e:
         raise fail("shards.bytes", str(e)) from e
-    if shard_bytes < 4096:
-        raise fail("shards.bytes", f"must be at least 4KB, got {shard_bytes}")
+    if shard_bytes < 1024:
+        raise fail("shards.bytes", f"must be at least 1KB, got {shard_bytes}")
     samples = sd.get("samples", 0)
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
         raise fail("shards.samples", f"must be an integer >= 0, got {samples!r}")

@@ -152,8 +152,11 @@ def split_s3_url(url: str) -> tuple[str, str]:
 
 
 def _s3_failure(url: str, endpoint: str | None, e: Exception) -> StorageError:
-    from botocore.exceptions import ClientError
+    from botocore.exceptions import ClientError, NoCredentialsError
 
+    if isinstance(e, NoCredentialsError):
+        where = endpoint or "the default AWS endpoint"
+        return StorageError(f"{url}: no AWS credentials found for {where}; set the AWS_* variables or a profile")
     if isinstance(e, ClientError):
         code = e.response.get("Error", {}).get("Code", "?")
         return StorageError(f"{url}: S3 error {code} at {endpoint or 'the default AWS endpoint'}")

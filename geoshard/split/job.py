@@ -26,7 +26,7 @@ from geoshard.routing import RouteSpec
 from geoshard.sources import S3Access, expand_sources
 from geoshard.split.groups import make_groups
 from geoshard.split.publish import TMP, manifest_sha, publish
-from geoshard.split.task import PROGRESS_TOPIC, GroupResult, GroupTask, run_group
+from geoshard.split.task import PROGRESS_TOPIC, GroupResult, GroupTask, find_key, run_group
 
 log = logging.getLogger(__name__)
 ProgressFn = Callable[[dict[str, int]], None]
@@ -114,7 +114,6 @@ def run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, progr
                 for i, g in enumerate(groups)
             ]
             results = _run_tasks(tasks, settings, progress)
-            _check_duplicates(results, tasks)
             manifest, regions = _manifests(plan, fmt, results, previous, settings)
             publish(out, tmpdir, manifest, regions)
         except BaseException:
@@ -160,6 +159,7 @@ def _run_tasks(tasks: list[GroupTask], settings: SplitSettings, progress: Progre
                 results.append(res)
                 if progress is not None:
                     progress({"shards": len(res.shards)})
+            _check_duplicates(client, results, tasks)
         except BaseException:
             client.cancel(futures)
             raise
@@ -169,7 +169,7 @@ def _run_tasks(tasks: list[GroupTask], settings: SplitSettings, progress: Progre
     return sorted(results, key=lambda r: r.group)
 
 
-def _check_duplicates(results: list[GroupResult], tasks: list[GroupTask]) -> None:
+def _check_duplicates(client: Any, results: list[GroupResult], tasks: list[GroupTask]) -> None:
     """Each task rejects duplicates inside its group; this finds keys repeated across groups."""
     import numpy as np
 
@@ -186,9 +186,10 @@ def _check_duplicates(results: list[GroupResult], tasks: list[GroupTask]) -> Non
         return
     i = int(dup[0])
     h = int(sorted_h[i])
-    g1, g2 = int(owners[order[i]]), int(owners[order[i + 1]])
-    names = ", ".join(s.url for g in (g1, g2) for s in tasks[g].sources)
-    raise DataError(f"duplicate sample key (64-bit key hash {h:016x}) in more than one source among: {names}")
+    groups = (tasks[int(owners[order[i]])], tasks[int(owners[order[i + 1]])])
+    # Only the 64-bit hash came back; a task finds the key and its sources for the message.
+    found = client.submit(find_key, groups, h, pure=False).result()
+    raise DataError(f"duplicate sample key {found[0]!r} in {' and '.join(found[1])}")
 
 
 def _manifests(

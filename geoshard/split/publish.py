@@ -48,7 +48,7 @@ def publish(out: Path, tmpdir: Path, manifest: Manifest, regions: Mapping[str, R
             if f.is_file() and f.name not in keep and f.name.endswith(SHARD_SUFFIXES):
                 log.info("removing %s (in neither this nor the previous generation)", f)
                 f.unlink()
-    shutil.rmtree(tmpdir, ignore_errors=True)
+    shutil.rmtree(tmpdir.parent, ignore_errors=True)  # the run folder and the empty .geoshard-tmp
 
 
 def manifest_sha(rm: RegionManifest) -> str:

@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,6 +202,25 @@ def run_group(task: GroupTask) -> GroupResult:
     progress.tick(0, 0, force=True)
     result.key_hashes = array("Q", sorted(hashes)).tobytes()
     return result
+
+
+def find_key(tasks: tuple[GroupTask, ...], h: int) -> tuple[str, list[str]]:
+    """The key with 64-bit hash ``h`` and the sources holding it (for a duplicate-key error)."""
+    key, where = "", []
+    for task in tasks:
+        for ref in task.sources:
+            with open_source(ref, task.s3) as (stream, _):
+                if task.fmt == "wds":
+                    keys: Iterator[bytes] = (k for k, _ in wds.iter_raw_samples(stream, ref.url))
+                else:
+                    assert task.key_feature is not None
+                    keys = (feature_key(r, task.key_feature, ref.url, i) for i, r in enumerate(tfrecord.iter_records(stream, ref.url)))
+                for k in keys:
+                    if key_hash(k) == h:
+                        key = k.decode(errors="replace")
+                        where.append(ref.url)
+                        break
+    return key, where
 
 
 def _duplicate(key: bytes, url: str) -> DataError:
