@@ -198,5 +198,22 @@ def synth(out: Path, fmt: str, samples: int, sample_bytes: int, shard_samples: i
     click.echo(f"wrote {samples} samples in {len(paths)} {fmt} shards ({human_bytes(size)}) to {out}")
 
 
+@main.command()
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-out"), show_default=True)
+@click.option("--samples", type=click.IntRange(min=1), default=20_000, show_default=True)
+@click.option("--workers", type=click.IntRange(min=1), help="Dask workers (default: one per core).")
+def demo(out: Path, samples: int, workers: int | None) -> None:
+    """Synthesize a corpus and split it for an embedded three-region plan."""
+    from geoshard.cli_progress import SplitProgress, split_table
+    from geoshard.demo import DemoSettings, run_demo
+
+    _quiet_dask()
+    click.echo(f"geoshard demo: {samples:,} synthetic samples -> three regions under {out}/")
+    with SplitProgress() as progress:
+        plan, result = run_demo(DemoSettings(out=out, samples=samples, workers=workers), progress=progress.update)
+    split_table(result)
+    click.echo(f"plan: {plan.path}   split: {out / 'split'}   next: geoshard verify {out / 'split'}")
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
