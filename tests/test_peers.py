@@ -9,7 +9,9 @@ Without ``GEOSHARD_TF_PYTHON`` the TF tests skip, except under CI, where they fa
 from __future__ import annotations
 
 import base64
+import contextlib
 import gc
+import gzip
 import hashlib
 import io
 import json
@@ -238,32 +240,45 @@ def test_tfrecord_field_split_reads_back_in_tensorflow(tf_python: str, tf_corpus
 Sample = dict[str, bytes]
 
 
-# Three tar dialects. webdataset.ShardWriter writes through tarfile in its default PAX format (1.0.2
+# Five tar dialects. webdataset.ShardWriter writes through tarfile in its default PAX format (1.0.2
 # computes its own ``format`` argument but never passes it on), so:
 #   "pax":   ShardWriter, default mtime (a float): every member gets a PAX header, long keys a PAX path;
 #   "ustar": ShardWriter, mtime=0: plain one-block ustar headers (geoshard's fast path);
-#   "gnu":   stdlib tarfile in GNU_FORMAT, as GNU tar writes: GNU magic, 'L' long-name members.
-WDS_FLAVORS = ("pax", "ustar", "gnu")
+#   "gz":    ShardWriter to .tar.gz (gzip-compressed PAX tar);
+#   "gnu":   stdlib tarfile, GNU_FORMAT (as GNU tar writes): GNU magic, 'L' long-name members;
+#   "posix": stdlib tarfile, USTAR_FORMAT: long keys split into the ustar prefix field.
+WDS_FLAVORS = ("pax", "ustar", "gz", "gnu", "posix")
+BIG = ("pax", "ustar")  # flavors with shards over the tar reader's 4 MiB read window
 LONG_DIR = "deep/" * 24  # 120 bytes: keys under it do not fit a 100-byte tar name
+VERY_LONG_DIR = ("x" * 40 + "/") * 7  # 287 bytes: over ustar's 155-byte prefix + 100-byte name
 
 
 def wds_key(i: int, flavor: str) -> str:
-    if flavor != "ustar" and i % 11 == 0:
+    if flavor == "ustar":  # plain short ASCII names only: anything else makes tarfile add PAX headers
+        return f"grp{i % 4}/s{i:05d}" if i % 5 == 0 else f"s{i:05d}"
+    if i % 12 == 3 and flavor != "posix":  # USTAR_FORMAT cannot store it
+        return f"{VERY_LONG_DIR}s{i:05d}"
+    if i % 6 == 0:
         return f"{LONG_DIR}s{i:05d}"
+    if i % 8 == 1:
+        return f"ключ/данные-{i:05d}"  # UTF-8 key
+    if i % 13 == 7:
+        return f"v1.2/s{i:05d}"  # a dot in a folder name is not the key's end
     return f"grp{i % 4}/s{i:05d}" if i % 5 == 0 else f"s{i:05d}"
 
 
-class GnuShardWriter:
-    """The part of ShardWriter's interface write_wds uses, writing GNU-format tars with tarfile."""
+class TarfileShardWriter:
+    """The part of ShardWriter's interface write_wds uses, writing tars of ``format`` with stdlib tarfile."""
 
-    def __init__(self, pattern: str, maxcount: int) -> None:
-        self.pattern, self.maxcount, self.shard, self.count = pattern, maxcount, 0, 0
+    def __init__(self, pattern: str, maxcount: int, format: int) -> None:
+        self.pattern, self.maxcount, self.format = pattern, maxcount, format
+        self.shard = self.count = 0
         self.tar: tarfile.TarFile | None = None
 
     def write(self, sample: dict[str, Any]) -> None:
         if self.tar is None or self.count >= self.maxcount:
             self.close()
-            self.tar = tarfile.open(self.pattern % self.shard, "w", format=tarfile.GNU_FORMAT)  # noqa: SIM115 - closed in close()
+            self.tar = tarfile.open(self.pattern % self.shard, "w", format=self.format)  # noqa: SIM115 - closed in close()
             self.shard, self.count = self.shard + 1, 0
         for ext, data in sorted(sample.items()):
             if ext != "__key__":
@@ -277,30 +292,29 @@ class GnuShardWriter:
             self.tar.close()
             self.tar = None
 
-    def __enter__(self) -> GnuShardWriter:
+    def __enter__(self) -> TarfileShardWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def write_wds(src: Path, n: int = 240, per_shard: int = 60, seed: int = 3) -> dict[str, Sample]:
+def write_wds(src: Path, n: int = 300, per_shard: int = 40, seed: int = 3) -> dict[str, Sample]:
     """Shards of each flavor; returns key -> {field: bytes}."""
     rng = random.Random(seed)
     samples: dict[str, Sample] = {}
     src.mkdir(parents=True)
     for f, flavor in enumerate(WDS_FLAVORS):
-        pattern = str(src / f"{flavor}-%04d.tar")
+        pattern = str(src / (f"{flavor}-%04d.tar.gz" if flavor == "gz" else f"{flavor}-%04d.tar"))
         sink: Any
-        if flavor == "gnu":
-            sink = GnuShardWriter(pattern, maxcount=per_shard)
+        if flavor in ("gnu", "posix"):
+            sink = TarfileShardWriter(pattern, per_shard, tarfile.GNU_FORMAT if flavor == "gnu" else tarfile.USTAR_FORMAT)
         else:
             sink = webdataset.ShardWriter(pattern, maxcount=per_shard, verbose=0, **({"mtime": 0} if flavor == "ustar" else {}))
         with sink:
             for i in range(f * n // len(WDS_FLAVORS), (f + 1) * n // len(WDS_FLAVORS)):
-                key = wds_key(i, flavor)
-                if i % 7 == 4:
-                    size = rng.randrange(400_000, 800_000)  # shards over the tar reader's 4 MiB window
+                if flavor in BIG and i % 5 == 4:
+                    size = rng.randrange(400_000, 800_000)
                 elif i % 7 == 0:
                     size = rng.choice((0, 1, 511, 512, 513, 10_000))
                 else:
@@ -310,30 +324,40 @@ def write_wds(src: Path, n: int = 240, per_shard: int = 60, seed: int = 3) -> di
                     "cls": rng.randbytes(rng.randrange(1, 8)),
                     "json": json.dumps({"origin": ORIGINS[i % 3], "noise": rng.randbytes(12).hex()}).encode(),
                 }
+                if i % 9 == 2:
+                    sample["seg.png"] = rng.randbytes(rng.randrange(0, 700))  # the field is all after the key's first dot
+                key = wds_key(i, flavor)
                 sink.write({"__key__": key, **sample})
                 samples[key] = sample
     return samples
 
 
-def tar_headers(path: Path) -> list[tuple[bytes, bytes]]:
-    """(typeflag, magic) of every header block of a tar file, extension headers included."""
+def tar_headers(path: Path) -> list[tuple[bytes, bytes, bytes]]:
+    """(typeflag, magic, prefix field) of every header block of a tar (or .tar.gz) file, extension headers included."""
     data = path.read_bytes()
+    if path.name.endswith(".gz"):
+        assert data[:2] == b"\x1f\x8b"
+        data = gzip.decompress(data)
     out = []
     pos = 0
     while pos + 512 <= len(data) and data[pos : pos + 512] != bytes(512):
         header = data[pos : pos + 512]
-        out.append((header[156:157], header[257:265]))
+        out.append((header[156:157], header[257:265], header[345:500].rstrip(b"\0")))
         pos += 512 + (int(header[124:136].strip(b"\0 ") or b"0", 8) + 511) // 512 * 512
     return out
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def open_paths() -> set[str]:
+    """Files this process has open (Linux)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            out.add(os.readlink(f"/proc/self/fd/{fd}"))
+    return out
 
 
 def read_wds(urls: list[str]) -> list[tuple[str, str, Sample]]:
     """Samples of ``urls`` as webdataset.WebDataset yields them: (shard url, key, {field: bytes}), in order."""
-    fds = open_fds()
     # webdataset 1.0.2 opens local shards (cache.StreamingOpen) and never closes them; the files
     # close when collected, with a ResourceWarning (webdataset#311, #383). Collect them here, where
     # that one warning is ignored, so it cannot surface as an error in a later test.
@@ -344,7 +368,7 @@ def read_wds(urls: list[str]) -> list[tuple[str, str, Sample]]:
         samples = [(s["__url__"], s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")}) for s in ds]
         del ds
         gc.collect()
-    assert open_fds() <= fds, "webdataset left shard files open"
+    assert not open_paths() & {os.path.realpath(u) for u in urls}, "webdataset left shard files open"
     return samples
 
 
@@ -368,18 +392,26 @@ def wds_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     src = tmp_path_factory.mktemp("wds-corpus") / "in"
     samples = write_wds(src)
     # The dialects are what the comments above say, so each path of geoshard's tar reader runs.
-    headers = {flavor: [h for p in src.glob(f"{flavor}-*.tar") for h in tar_headers(p)] for flavor in WDS_FLAVORS}
-    assert {t for t, _ in headers["ustar"]} == {b"0"}
-    assert {m for _, m in headers["ustar"]} == {b"ustar\x0000"}
-    assert {t for t, _ in headers["pax"]} == {b"0", b"x"}
-    assert {t for t, _ in headers["gnu"]} == {b"0", b"L"}
-    assert {m for _, m in headers["gnu"]} == {b"ustar  \x00"}
-    assert max(p.stat().st_size for p in src.glob("ustar-*.tar")) > 4 << 20, "samples must cross read-window boundaries"
+    shards = {flavor: sorted(src.glob(f"{flavor}-*")) for flavor in WDS_FLAVORS}
+    assert all(len(paths) >= 2 for paths in shards.values())
+    headers = {flavor: [h for p in paths for h in tar_headers(p)] for flavor, paths in shards.items()}
+    typeflags = {flavor: {t for t, _, _ in hs} for flavor, hs in headers.items()}
+    magics = {flavor: {m for _, m, _ in hs} for flavor, hs in headers.items()}
+    assert typeflags == {"pax": {b"0", b"x"}, "ustar": {b"0"}, "gz": {b"0", b"x"}, "gnu": {b"0", b"L"}, "posix": {b"0"}}
+    assert magics["ustar"] == magics["posix"] == {b"ustar\x0000"}
+    assert magics["gnu"] == {b"ustar  \x00"}
+    assert any(prefix for _, _, prefix in headers["posix"])
+    assert not any(prefix for _, _, prefix in headers["ustar"])
+    for flavor in BIG:
+        assert max(p.stat().st_size for p in shards[flavor]) > 4 << 20, f"{flavor}: samples must cross read windows"
     # The input reads back through webdataset as written (guards the comparisons below).
-    back = [(key, sample) for _, key, sample in read_wds(sorted(str(p) for p in src.glob("*.tar")))]
+    back = [(key, sample) for _, key, sample in read_wds(sorted(str(p) for p in src.iterdir()))]
     assert dict(back) == samples
-    assert len(back) == len(samples) == 240
-    assert sum(k.startswith(LONG_DIR) for k in samples) >= 10
+    assert len(back) == len(samples) == 300
+    assert sum(k.startswith(LONG_DIR) for k in samples) >= 20
+    assert sum(k.startswith(VERY_LONG_DIR) for k in samples) >= 10
+    assert sum(not k.isascii() for k in samples) >= 10
+    assert sum("seg.png" in sample for sample in samples.values()) >= 20
     return src, samples
 
 
@@ -405,7 +437,7 @@ def test_wds_split_reads_back_in_webdataset(wds_corpus: tuple[Path, dict[str, Sa
 @pytest.mark.slow
 def test_wds_replicate_puts_every_sample_in_every_region(wds_corpus: tuple[Path, dict[str, Sample]], tmp_path: Path) -> None:
     src, samples = wds_corpus
-    out, summary = split(tmp_path, sorted(src.glob("*.tar")), plan_toml(REPLICATE_ROUTING, shard_bytes="64KB"), workers=1)
+    out, summary = split(tmp_path, sorted(src.iterdir()), plan_toml(REPLICATE_ROUTING, shard_bytes="64KB"), workers=1)
     assert summary["samples_in"] == len(samples)
     by_region = wds_region_samples(out)
     for region, got in by_region.items():
