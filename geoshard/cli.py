@@ -123,6 +123,8 @@ def split(
                     "samples_in": result.samples_in,
                     "bytes_in": result.bytes_in,
                     "seconds": round(result.seconds, 3),
+                    "cluster_seconds": round(result.cluster_seconds, 3),
+                    "job_seconds": round(result.job_seconds, 3),
                     "regions": {n: r.to_dict() for n, r in result.manifest.regions.items()},
                 },
                 indent=1,

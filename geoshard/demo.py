@@ -53,6 +53,10 @@ def run_demo(settings: DemoSettings, progress: ProgressFn | None = None) -> tupl
     plan = parse_plan(DEMO_PLAN, source=str(plan_path))
     corpus = out / "corpus"
     if not (corpus / "train-00000.tar").exists():
-        synth(SynthSpec(out=corpus, fmt="wds", samples=settings.samples, sample_bytes=settings.sample_bytes, shard_samples=settings.shard_samples))
+        synth(
+            SynthSpec(
+                out=corpus, fmt="wds", samples=settings.samples, sample_bytes=settings.sample_bytes, shard_samples=settings.shard_samples
+            )
+        )
     result = run_split([str(corpus)], plan, SplitSettings(out=out / "split", workers=settings.workers, replace=True), progress=progress)
     return plan, result

@@ -14,7 +14,9 @@ from geoshard.synth import SynthSpec, synth
 REGIONS = ("us-east-1", "eu-west-1", "ap-southeast-1")
 
 
-def write_plan(path: Path, policy: str = "hash", weights: tuple[float, ...] = (2, 1, 1), shard_bytes: str = "256KB", extra: str = "") -> Path:
+def write_plan(
+    path: Path, policy: str = "hash", weights: tuple[float, ...] = (2, 1, 1), shard_bytes: str = "256KB", extra: str = ""
+) -> Path:
     lines = [f'[routing]\npolicy = "{policy}"']
     if policy == "field":
         lines.append('field = "json.origin"' if "field =" not in extra else "")
@@ -28,7 +30,9 @@ def write_plan(path: Path, policy: str = "hash", weights: tuple[float, ...] = (2
     return path
 
 
-def make_corpus(path: Path, fmt: str = "wds", samples: int = 2000, sample_bytes: int = 200, shard_samples: int = 250, seed: int = 0) -> list[Path]:
+def make_corpus(
+    path: Path, fmt: str = "wds", samples: int = 2000, sample_bytes: int = 200, shard_samples: int = 250, seed: int = 0
+) -> list[Path]:
     return synth(SynthSpec(out=path, fmt=fmt, samples=samples, sample_bytes=sample_bytes, shard_samples=shard_samples, seed=seed))  # type: ignore[arg-type]
 
 

@@ -97,7 +97,16 @@ def _samples(n: int, seed: int = 1) -> list[tuple[bytes, list[tuple[bytes, bytes
     out = []
     for i in range(n):
         key = f"dir/s{i:05d}".encode()
-        out.append((key, [(key + b".jpg", rng.randbytes(rng.randrange(0, 2000))), (key + b".cls", str(i % 7).encode()), (key + b".meta.json", b"{}")]))
+        out.append(
+            (
+                key,
+                [
+                    (key + b".jpg", rng.randbytes(rng.randrange(0, 2000))),
+                    (key + b".cls", str(i % 7).encode()),
+                    (key + b".meta.json", b"{}"),
+                ],
+            )
+        )
     return out
 
 

@@ -86,7 +86,9 @@ def test_field_routing_default_region_and_unmapped_error(tmp_path: Path, schedul
     assert m.regions["us-east-1"].samples == 0
     assert m.regions["eu-west-1"].samples + m.regions["ap-southeast-1"].samples == 600
     strict = write_plan(tmp_path / "p2.toml", policy="field", extra=only_eu)
-    with pytest.raises(DataError, match=r"sample 's\d+' has json\.origin='(us-east-1|ap-southeast-1)', which \[routing\.map\] does not map"):
+    with pytest.raises(
+        DataError, match=r"sample 's\d+' has json\.origin='(us-east-1|ap-southeast-1)', which \[routing\.map\] does not map"
+    ):
         split(corpus, strict, tmp_path / "out2", scheduler)
     assert not (tmp_path / "out2" / "manifest.json").exists()
 
@@ -141,7 +143,9 @@ def test_resplit_same_plan_is_a_new_generation_with_same_shards(tmp_path: Path, 
     split([tmp_path / "c"], plan, tmp_path / "out", scheduler)
     assert read_manifest(tmp_path / "out").generation == 2
     second = tree_digest(tmp_path / "out")
-    assert {k: v for k, v in first.items() if not k.endswith("manifest.json")} == {k: v for k, v in second.items() if not k.endswith("manifest.json")}
+    assert {k: v for k, v in first.items() if not k.endswith("manifest.json")} == {
+        k: v for k, v in second.items() if not k.endswith("manifest.json")
+    }
     assert read_region_manifest(tmp_path / "out" / "us-east-1").generation == 2
 
 
@@ -182,7 +186,9 @@ def test_no_sample_passes_through_the_driver(tmp_path: Path, scheduler: str) -> 
     plan = load_plan(write_plan(tmp_path / "plan.toml"))
     refs = tuple(expand_sources([str(tmp_path / "c")]))
     (tmp_path / "tmp").mkdir()
-    task = GroupTask(0, refs, "wds", RouteSpec(plan, "wds"), plan.region_names, plan.shards.bytes, 0, None, str(tmp_path / "tmp"), S3Access())
+    task = GroupTask(
+        0, refs, "wds", RouteSpec(plan, "wds"), plan.region_names, plan.shards.bytes, 0, None, str(tmp_path / "tmp"), S3Access()
+    )
     import pickle
 
     result = run_group(task)

@@ -154,26 +154,33 @@ def _slow_samples(w: Window, name: str) -> Iterator[RawSample]:
         yield key, b"".join(parts)
 
 
-def iter_raw_samples(f: Readable, name: str) -> Iterator[RawSample]:
-    """Yield ``(key, raw)`` per sample, grouped exactly as webdataset groups members.
+def iter_raw_windows(f: Readable, name: str) -> Iterator[tuple[bytes, list[bytes], list[int], list[int]]]:
+    """Yield batches ``(buf, keys, starts, ends)``: sample i is ``buf[starts[i]:ends[i]]``.
 
     Windows of plain ustar members go through the vectorized scanner; at the first window it
     declines (PAX headers, long names, metadata members, errors) the rest of the stream is read
-    member by member, which also gives the precise error message.
+    member by member, which also gives the precise error message. Batches let hot loops slice
+    samples out of one buffer without a generator step per sample.
     """
     w = Window(f, CHUNK)
     while True:
         more = w.fill(CHUNK)
         r = scan(w.buf, w.pos, eof=not more)
         if r is None:
-            yield from _slow_samples(w, name)
+            for key, raw in _slow_samples(w, name):
+                yield raw, [key], [0], [len(raw)]
             return
-        buf = w.buf
-        for key, start, end in zip(r.keys, r.starts, r.ends, strict=True):
-            yield key, buf[start:end]
+        yield w.buf, r.keys, r.starts, r.ends
         w.pos = r.consumed
         if r.end_of_archive:
             return
+
+
+def iter_raw_samples(f: Readable, name: str) -> Iterator[RawSample]:
+    """Yield ``(key, raw)`` per sample, grouped exactly as webdataset groups members."""
+    for buf, keys, starts, ends in iter_raw_windows(f, name):
+        for key, start, end in zip(keys, starts, ends, strict=True):
+            yield key, buf[start:end]
 
 
 def raw_members(raw: bytes) -> list[Member]:

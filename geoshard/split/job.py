@@ -49,7 +49,9 @@ class SplitResult:
     regions: dict[str, RegionManifest]
     samples_in: int
     bytes_in: int
-    seconds: float
+    seconds: float  # the whole split, from listing sources to publishing
+    cluster_seconds: float = 0.0  # starting or connecting to the Dask cluster
+    job_seconds: float = 0.0  # the tasks: from submission to the last result
 
 
 @contextmanager
@@ -113,7 +115,7 @@ def run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, progr
                 )
                 for i, g in enumerate(groups)
             ]
-            results = _run_tasks(tasks, settings, progress)
+            results, timing = _run_tasks(tasks, settings, progress)
             manifest, regions = _manifests(plan, fmt, results, previous, settings)
             publish(out, tmpdir, manifest, regions)
         except BaseException:
@@ -125,6 +127,8 @@ def run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, progr
         samples_in=sum(r.samples_in for r in results),
         bytes_in=sum(r.size for r in refs),
         seconds=time.monotonic() - t0,
+        cluster_seconds=timing[0],
+        job_seconds=timing[1],
     )
 
 
@@ -145,11 +149,15 @@ def _check_out(out: Path, plan: Plan, replace: bool) -> Manifest | None:
     return old
 
 
-def _run_tasks(tasks: list[GroupTask], settings: SplitSettings, progress: ProgressFn | None) -> list[GroupResult]:
+def _run_tasks(
+    tasks: list[GroupTask], settings: SplitSettings, progress: ProgressFn | None
+) -> tuple[list[GroupResult], tuple[float, float]]:
     from distributed import as_completed
 
     results: list[GroupResult] = []
+    t0 = time.monotonic()
     with dask_client(settings) as client:
+        t1 = time.monotonic()
         if progress is not None:
             client.subscribe_topic(PROGRESS_TOPIC, lambda event: progress(event[1]))
         futures = client.map(run_group, tasks, pure=False, key=[f"geoshard-split-{t.group}-{os.getpid()}-{time.time_ns()}" for t in tasks])
@@ -159,6 +167,7 @@ def _run_tasks(tasks: list[GroupTask], settings: SplitSettings, progress: Progre
                 results.append(res)
                 if progress is not None:
                     progress({"shards": len(res.shards)})
+            t2 = time.monotonic()
             _check_duplicates(client, results, tasks)
         except BaseException:
             client.cancel(futures)
@@ -166,7 +175,7 @@ def _run_tasks(tasks: list[GroupTask], settings: SplitSettings, progress: Progre
         finally:
             if progress is not None:
                 client.unsubscribe_topic(PROGRESS_TOPIC)
-    return sorted(results, key=lambda r: r.group)
+    return sorted(results, key=lambda r: r.group), (t1 - t0, t2 - t1)
 
 
 def _check_duplicates(client: Any, results: list[GroupResult], tasks: list[GroupTask]) -> None:
