@@ -1,0 +1,201 @@
+"""Benchmark of ``geoshard split`` against ``cp -r`` of the same corpus, in the same run.
+
+Two corpora (WebDataset tar, three members per sample): ~1 GB of 100 KB samples, and 200,000
+samples of 1 KB. For each, the median of ``--repeat`` runs of:
+
+- ``cp -r CORPUS COPY`` (the I/O baseline: one read and one write of every byte),
+- ``geoshard split CORPUS --plan PLAN --out OUT --json`` (3 regions, 2:1:1, 64 MB shards,
+  the default in-process Dask cluster of one worker per core), timed end to end as a user sees
+  it, with the cluster start and the task time taken from its JSON,
+- webdataset 1.0.2's own reader over the first shards of the 1 KB corpus (a per-sample peer).
+
+It also measures sha256 throughput in the same run: the split must hash every byte twice (the
+sources and the shards, both recorded in the manifests), which bounds how close to ``cp`` it can
+get on this many cores. Results print as a table and go to ``--json-out``.
+
+    .venv/bin/python bench/split_bench.py            # full size (~2 GB of test data in bench/_data)
+    .venv/bin/python bench/split_bench.py --small    # a quick smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GEOSHARD = str(Path(sys.executable).with_name("geoshard"))
+PLAN = """
+[routing]
+policy = "hash"
+[shards]
+bytes = "64MB"
+[regions.us-east-1]
+weight = 2
+[regions.eu-west-1]
+weight = 1
+[regions.ap-southeast-1]
+weight = 1
+"""
+
+
+def corpus(data: Path, name: str, samples: int, sample_bytes: int, shard_samples: int) -> Path:
+    path = data / name
+    stamp = path / ".complete"
+    if not stamp.exists():
+        shutil.rmtree(path, ignore_errors=True)
+        args = ["synth", str(path), "--samples", str(samples), "--sample-bytes", str(sample_bytes), "--shard-samples", str(shard_samples)]
+        subprocess.run([GEOSHARD, *args], check=True, timeout=1800, capture_output=True)
+        stamp.touch()
+    return path
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*.tar"))
+
+
+def warm(path: Path) -> None:
+    """Read every file once so both contenders start from the page cache."""
+    for p in sorted(path.rglob("*.tar")):
+        with open(p, "rb") as f:
+            while f.read(1 << 22):
+                pass
+
+
+def timed(argv: list[str]) -> tuple[float, str]:
+    t = time.perf_counter()
+    out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=1800).stdout
+    return time.perf_counter() - t, out
+
+
+def bench_cp(src: Path, scratch: Path) -> float:
+    dst = scratch / "cp-copy"
+    shutil.rmtree(dst, ignore_errors=True)
+    seconds, _ = timed(["cp", "-r", str(src), str(dst)])
+    shutil.rmtree(dst)
+    return seconds
+
+
+def bench_split(src: Path, plan: Path, scratch: Path) -> tuple[float, dict[str, float]]:
+    out = scratch / "split-out"
+    shutil.rmtree(out, ignore_errors=True)
+    seconds, stdout = timed([GEOSHARD, "split", str(src), "--plan", str(plan), "--out", str(out), "--json"])
+    doc = json.loads(stdout)
+    shutil.rmtree(out)
+    return seconds, doc
+
+
+def bench_webdataset(src: Path, shards: int) -> tuple[float, int]:
+    code = (
+        "import sys, time, warnings, webdataset as wds\n"
+        "warnings.simplefilter('ignore')\n"
+        "urls = sys.argv[1:]\n"
+        "t = time.perf_counter(); n = sum(1 for _ in wds.WebDataset(urls, shardshuffle=False, empty_check=False))\n"
+        "print(n, time.perf_counter() - t)\n"
+    )
+    urls = [str(p) for p in sorted(src.glob("*.tar"))[:shards]]
+    out = subprocess.run([sys.executable, "-c", code, *urls], check=True, capture_output=True, text=True, timeout=1800).stdout.split()
+    return float(out[1]), int(out[0])
+
+
+def sha256_rate() -> float:
+    block = os.urandom(1 << 20)
+    h = hashlib.sha256()
+    t = time.perf_counter()
+    for _ in range(512):
+        h.update(block)
+    return 512 * len(block) / (time.perf_counter() - t)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, default=ROOT / "bench" / "_data")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--small", action="store_true", help="tiny corpora, for a smoke run")
+    ap.add_argument("--json-out", type=Path, default=ROOT / "bench" / "_data" / "split_bench.json")
+    args = ap.parse_args()
+    args.data.mkdir(parents=True, exist_ok=True)
+    scratch = args.data / "scratch"
+    scratch.mkdir(exist_ok=True)
+    plan = args.data / "plan.toml"
+    plan.write_text(PLAN)
+    scale = 20 if args.small else 1
+    specs = [
+        ("100KB", 10_000 // scale, 100_000, 500 // scale),
+        ("1KB", 200_000 // scale, 1_000, 10_000 // scale),
+    ]
+    cores = len(os.sched_getaffinity(0))
+    sha = sha256_rate()
+    results = {"cores": cores, "sha256_bytes_per_s": sha, "corpora": {}}
+    print(f"{cores} cores; sha256 {sha / 1e9:.2f} GB/s per core (hashlib, 1 MiB updates)")
+    header = (
+        f"{'corpus':8} {'samples':>8} {'MB':>7} | {'cp s':>6} {'cp MB/s':>8} | {'split s':>7} {'MB/s':>6} {'samples/s':>10} {'ratio':>6} | "
+        f"{'cluster s':>9} {'tasks s':>7} {'task samples/s':>14}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, samples, sample_bytes, shard_samples in specs:
+        src = corpus(args.data, f"corpus-{name}-{samples}", samples, sample_bytes, shard_samples)
+        size = tree_bytes(src)
+        warm(src)
+        bench_cp(src, scratch)  # warm the page cache for writes as well
+        cps, splits, docs = [], [], []
+        for _ in range(args.repeat):
+            cps.append(bench_cp(src, scratch))
+            s, doc = bench_split(src, plan, scratch)
+            splits.append(s)
+            docs.append(doc)
+        cp_s, split_s = statistics.median(cps), statistics.median(splits)
+        job_s = statistics.median(d["job_seconds"] for d in docs)
+        cluster_s = statistics.median(d["cluster_seconds"] for d in docs)
+        row = {
+            "samples": samples,
+            "bytes": size,
+            "cp_seconds": cp_s,
+            "split_seconds": split_s,
+            "split_cluster_seconds": cluster_s,
+            "split_task_seconds": job_s,
+            "cp_mb_per_s": size / cp_s / 1e6,
+            "split_mb_per_s": size / split_s / 1e6,
+            "split_samples_per_s": samples / split_s,
+            "task_samples_per_s": samples / job_s,
+            "ratio_to_cp": cp_s / split_s,
+            "task_ratio_to_cp": cp_s / job_s,
+            # Hashing every byte twice on all cores, with nothing else: the best time possible.
+            "sha256_floor_seconds": 2 * size / (sha * cores),
+            "ratio_ceiling_from_sha256": cp_s / (2 * size / (sha * cores)),
+            "runs": {"cp": cps, "split": splits},
+        }
+        if name == "1KB":
+            wds_s, wds_n = bench_webdataset(src, shards=2)
+            row["webdataset_samples_per_s"] = wds_n / wds_s
+        results["corpora"][name] = row
+        print(
+            f"{name:8} {samples:>8,} {size / 1e6:>7.0f} | {cp_s:>6.2f} {row['cp_mb_per_s']:>8.0f} | "
+            f"{split_s:>7.2f} {row['split_mb_per_s']:>6.0f} {row['split_samples_per_s']:>10,.0f} {row['ratio_to_cp']:>6.2f} | "
+            f"{cluster_s:>9.2f} {job_s:>7.2f} {row['task_samples_per_s']:>14,.0f}"
+        )
+    for name, row in results["corpora"].items():
+        print(
+            f"{name}: sha256 of sources and shards alone needs {row['sha256_floor_seconds']:.2f} s on {cores} cores, "
+            f"so the ratio to cp cannot exceed {row['ratio_ceiling_from_sha256']:.2f} here"
+        )
+        if "webdataset_samples_per_s" in row:
+            print(
+                f"{name}: webdataset 1.0.2 reads {row['webdataset_samples_per_s']:,.0f} samples/s of this corpus (read only, one process)"
+            )
+    args.json_out.parent.mkdir(parents=True, exist_ok=True)
+    args.json_out.write_text(json.dumps(results, indent=1))
+    shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
