@@ -11,6 +11,7 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+from splitkit import tar_bytes
 
 from geoshard.errors import DataError
 from geoshard.formats import example, tfrecord, wds
@@ -192,30 +193,21 @@ def test_metadata_members_are_skipped_like_webdataset() -> None:
     assert _read(buf.getvalue()) == samples
 
 
-def _tar_with(members: list[tuple[bytes, bytes]]) -> bytes:
-    buf = io.BytesIO()
-    w = wds.TarWriter(buf)
-    for n, d in members:
-        w.write_member(n, d)
-    w.close()
-    return buf.getvalue()
-
-
 def test_member_without_sample_is_an_error() -> None:
-    data = _tar_with([(b"a.jpg", b"1"), (b"README", b"text")])
+    data = tar_bytes([(b"a.jpg", b"1"), (b"README", b"text")])
     with pytest.raises(DataError, match=r"t\.tar: tar member 'README' at byte 1024 belongs to no sample"):
         _read(data)
 
 
 def test_repeated_field_is_a_duplicate_key() -> None:
-    data = _tar_with([(b"a.jpg", b"1"), (b"a.cls", b"2"), (b"a.jpg", b"3")] + [(f"k{i}.x".encode(), b"") for i in range(100)])
+    data = tar_bytes([(b"a.jpg", b"1"), (b"a.cls", b"2"), (b"a.jpg", b"3")] + [(f"k{i}.x".encode(), b"") for i in range(100)])
     with pytest.raises(DataError, match=r"duplicate sample key 'a': field 'jpg' appears twice"):
         _read(data)
 
 
 @pytest.mark.parametrize("key", [b"bad\nkey", b"tab\tkey", b"del\x7fkey"])
 def test_control_character_in_key_is_an_error(key: bytes) -> None:
-    data = _tar_with([(b"ok.x", b"1"), (key + b".jpg", b"1")])
+    data = tar_bytes([(b"ok.x", b"1"), (key + b".jpg", b"1")])
     with pytest.raises(DataError, match="contains a control character"):
         _read(data)
 
@@ -225,7 +217,7 @@ def test_not_a_tar_and_empty_and_truncated() -> None:
         _read(b"this is plain text, not a tar archive at all " * 40)
     with pytest.raises(DataError, match="empty file"):
         _read(b"")
-    data = _tar_with([(b"a.bin", b"1" * 2000), (b"b.bin", b"2" * 2000)])
+    data = tar_bytes([(b"a.bin", b"1" * 2000), (b"b.bin", b"2" * 2000)])
     with pytest.raises(DataError, match=r"truncated tar at byte 2560: member declares 2000 bytes"):
         _read(data[:4000])
     with pytest.raises(DataError, match=r"truncated tar at byte 2560: partial header"):
