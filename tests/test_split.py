@@ -193,3 +193,43 @@ def test_no_sample_passes_through_the_driver(tmp_path: Path, scheduler: str) -> 
 
     result = run_group(task)
     assert result.samples_in == 400 and len(pickle.dumps(result)) < 20_000 < refs[0].size / 100
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_after", [0.9, 1.4, 1.9, 2.4])
+def test_killed_split_never_leaves_a_manifest_naming_a_missing_shard(tmp_path: Path, kill_after: float) -> None:
+    """SIGKILL the whole split (CLI, cluster, workers) at different moments of a new generation."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    make_corpus(tmp_path / "c", samples=4000, sample_bytes=20_000, shard_samples=250)
+    plan = write_plan(tmp_path / "plan.toml", shard_bytes="4MB")
+    geoshard = str(Path(sys.executable).with_name("geoshard"))
+    out = tmp_path / "out"
+    subprocess.run(
+        [geoshard, "split", str(tmp_path / "c" / "train-0000*.tar"), "--plan", str(plan), "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
+    old = verify_split(out)[0]
+    p = subprocess.Popen(
+        [geoshard, "split", str(tmp_path / "c"), "--plan", str(plan), "--out", str(out)],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(kill_after)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    regions, report = verify_split(out)
+    assert report.ok and report.checked > 0, report  # whatever generation each manifest names is whole
+    for name, rm in regions.items():  # each region is wholly the old generation or wholly the new one
+        assert rm.generation == 2 or (rm.generation == 1 and rm.shards == old[name].shards)
+    # A rerun converges: new generation published, temporary files gone, every shard verified.
+    subprocess.run([geoshard, "split", str(tmp_path / "c"), "--plan", str(plan), "--out", str(out)], check=True, capture_output=True)
+    regions, report = verify_split(out)
+    assert report.ok and sum(r.samples for r in regions.values()) == 4000
+    assert not (out / ".geoshard-tmp").exists()

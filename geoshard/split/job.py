@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from geoshard.errors import ConfigError, DataError, GeoshardError, LockedError
+from geoshard.errors import ConfigError, DataError, LockedError
 from geoshard.formats import Format
 from geoshard.manifest import MANIFEST, Manifest, RegionManifest, RegionSummary, ShardEntry, SourceEntry, read_manifest
 from geoshard.plan import Plan
@@ -88,7 +88,7 @@ def dask_client(settings: SplitSettings) -> Iterator[Any]:
 def run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, progress: ProgressFn | None = None) -> SplitResult:
     t0 = time.monotonic()
     out = settings.out
-    previous = _check_out(out, plan, settings.replace)
+    _check_out(out, plan, settings.replace)  # fail before listing sources; checked again under the lock
     refs = expand_sources(sources, settings.fmt, settings.s3)
     fmt: Format = refs[0].format
     route = RouteSpec(plan, fmt)
@@ -96,6 +96,7 @@ def run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, progr
         log.info("routing.key applies to TFRecord only; WebDataset samples route by __key__")
     groups = make_groups(refs, plan)
     with _locked(out):
+        previous = _check_out(out, plan, settings.replace)
         shutil.rmtree(out / TMP, ignore_errors=True)  # leftovers of an interrupted split
         tmpdir = out / TMP / f"run-{os.getpid()}-{int(time.time())}"
         tmpdir.mkdir(parents=True)
@@ -235,4 +236,4 @@ def _manifests(
     return manifest, regions
 
 
-__all__ = ["GeoshardError", "SplitResult", "SplitSettings", "run_split"]
+__all__ = ["SplitResult", "SplitSettings", "run_split"]
