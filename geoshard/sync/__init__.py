@@ -1,0 +1,1 @@
+"""``geoshard sync``, ``pull``, ``refresh`` and ``probe``: regional buckets filled from manifests."""
