@@ -34,6 +34,12 @@ class StorageError(GeoshardError):
     exit_code = 1
 
 
+class SyncError(GeoshardError):
+    """A region could not be published; its previous manifest stays in place."""
+
+    exit_code = 1
+
+
 class LockedError(GeoshardError):
     """Another run holds the lock; EX_TEMPFAIL so cron wrappers can tell it apart."""
 

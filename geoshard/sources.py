@@ -247,3 +247,10 @@ def open_source(ref: SourceRef, s3: S3Access) -> Iterator[tuple[Readable, Hashin
         raise DataError(f"{ref.url}: corrupt or truncated gzip stream ({e})") from e
     finally:
         raw.close()
+
+
+def hash_source(ref: SourceRef, s3: S3Access) -> str:
+    """sha256 of a source's stored bytes (refresh compares it with the manifest)."""
+    with open_source(ref, s3) as (_, hashing):
+        hashing.drain()
+        return hashing.sha.hexdigest()

@@ -12,6 +12,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -20,12 +21,21 @@ from typing import Any
 
 from geoshard.errors import ConfigError, DataError, LockedError
 from geoshard.formats import Format
-from geoshard.manifest import MANIFEST, Manifest, RegionManifest, RegionSummary, ShardEntry, SourceEntry, read_manifest
+from geoshard.manifest import (
+    MANIFEST,
+    Manifest,
+    RegionManifest,
+    RegionSummary,
+    ShardEntry,
+    SourceEntry,
+    read_manifest,
+    read_region_manifest,
+)
 from geoshard.plan import Plan
 from geoshard.routing import RouteSpec
-from geoshard.sources import S3Access, expand_sources
+from geoshard.sources import S3Access, SourceRef, expand_sources, hash_source
 from geoshard.split.groups import make_groups
-from geoshard.split.publish import TMP, manifest_sha, publish
+from geoshard.split.publish import KEYS, TMP, manifest_sha, publish
 from geoshard.split.task import PROGRESS_TOPIC, GroupResult, GroupTask, find_key, run_group
 
 log = logging.getLogger(__name__)
@@ -41,17 +51,20 @@ class SplitSettings:
     s3: S3Access = field(default_factory=S3Access)
     replace: bool = False  # allow replacing a split of a different plan
     created: str | None = None  # fixed creation time (SOURCE_DATE_EPOCH) for reproducible manifests
+    incremental: bool = False  # re-split only groups whose sources changed, add new sources as new groups
 
 
 @dataclass(frozen=True)
 class SplitResult:
     manifest: Manifest
     regions: dict[str, RegionManifest]
-    samples_in: int
+    samples_in: int  # samples read by this run's tasks (all of them unless incremental)
     bytes_in: int
     seconds: float  # the whole split, from listing sources to publishing
     cluster_seconds: float = 0.0  # starting or connecting to the Dask cluster
     job_seconds: float = 0.0  # the tasks: from submission to the last result
+    groups_run: tuple[int, ...] = ()  # groups (re-)split by this run
+    unchanged: bool = False  # incremental run that found nothing to do; nothing was published
 
 
 @contextmanager
@@ -94,16 +107,21 @@ def run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, progr
     route = RouteSpec(plan, fmt)
     if plan.routing.key and fmt == "wds":
         log.info("routing.key applies to TFRecord only; WebDataset samples route by __key__")
-    groups = make_groups(refs, plan)
     with _locked(out):
         previous = _check_out(out, plan, settings.replace)
+        if settings.incremental and previous is not None and previous.format == fmt:
+            work, kept = plan_increment(refs, previous, plan, settings.s3)
+        else:
+            work, kept = list(enumerate(make_groups(refs, plan))), {}
+        if not work and previous is not None and set(kept) == {s.group for s in previous.sources}:
+            return SplitResult(previous, {}, 0, 0, time.monotonic() - t0, unchanged=True)
         shutil.rmtree(out / TMP, ignore_errors=True)  # leftovers of an interrupted split
         tmpdir = out / TMP / f"run-{os.getpid()}-{int(time.time())}"
         tmpdir.mkdir(parents=True)
         try:
             tasks = [
                 GroupTask(
-                    group=i,
+                    group=gid,
                     sources=g,
                     fmt=fmt,
                     route=route,
@@ -114,11 +132,11 @@ def run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, progr
                     tmpdir=str(tmpdir.resolve()),
                     s3=settings.s3,
                 )
-                for i, g in enumerate(groups)
+                for gid, g in work
             ]
-            results, timing = _run_tasks(tasks, settings, progress)
-            manifest, regions = _manifests(plan, fmt, results, previous, settings)
-            publish(out, tmpdir, manifest, regions)
+            results, timing = _run_tasks(tasks, settings, progress, _kept_keys(out, kept))
+            manifest, regions = _manifests(plan, fmt, results, previous, settings, _kept_entries(out, previous, kept))
+            publish(out, tmpdir, manifest, regions, {r.group: r.key_hashes for r in results})
         except BaseException:
             shutil.rmtree(out / TMP, ignore_errors=True)
             raise
@@ -126,11 +144,35 @@ def run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, progr
         manifest=manifest,
         regions=regions,
         samples_in=sum(r.samples_in for r in results),
-        bytes_in=sum(r.size for r in refs),
+        bytes_in=sum(r.size for _, g in work for r in g),
         seconds=time.monotonic() - t0,
         cluster_seconds=timing[0],
         job_seconds=timing[1],
+        groups_run=tuple(gid for gid, _ in work),
     )
+
+
+KeptGroup = tuple[int, tuple[SourceRef, ...], bytes]  # (group, its sources, its sorted key hashes)
+
+
+def _kept_keys(out: Path, kept: dict[int, tuple[SourceRef, ...]]) -> list[KeptGroup]:
+    """Key hashes of groups this run keeps, for the duplicate check across all groups."""
+    found = []
+    for gid, refs in kept.items():
+        path = out / KEYS / f"{gid:05d}.u64"
+        found.append((gid, refs, path.read_bytes() if path.exists() else b""))
+    return found
+
+
+def _kept_entries(
+    out: Path, previous: Manifest | None, kept: dict[int, tuple[SourceRef, ...]]
+) -> tuple[dict[str, list[ShardEntry]], list[SourceEntry]]:
+    if previous is None or not kept:
+        return {}, []
+    shards = {}
+    for name, r in previous.regions.items():
+        shards[name] = [sh for sh in read_region_manifest(out / r.manifest).shards if sh.group in kept]
+    return shards, [src for src in previous.sources if src.group in kept]
 
 
 def _check_out(out: Path, plan: Plan, replace: bool) -> Manifest | None:
@@ -151,7 +193,7 @@ def _check_out(out: Path, plan: Plan, replace: bool) -> Manifest | None:
 
 
 def _run_tasks(
-    tasks: list[GroupTask], settings: SplitSettings, progress: ProgressFn | None
+    tasks: list[GroupTask], settings: SplitSettings, progress: ProgressFn | None, kept: list[KeptGroup]
 ) -> tuple[list[GroupResult], tuple[float, float]]:
     from distributed import as_completed
 
@@ -169,7 +211,7 @@ def _run_tasks(
                 if progress is not None:
                     progress({"shards": len(res.shards)})
             t2 = time.monotonic()
-            _check_duplicates(client, results, tasks)
+            _check_duplicates(client, results, tasks, kept)
         except BaseException:
             client.cancel(futures)
             raise
@@ -179,15 +221,16 @@ def _run_tasks(
     return sorted(results, key=lambda r: r.group), (t1 - t0, t2 - t1)
 
 
-def _check_duplicates(client: Any, results: list[GroupResult], tasks: list[GroupTask]) -> None:
+def _check_duplicates(client: Any, results: list[GroupResult], tasks: list[GroupTask], kept: list[KeptGroup]) -> None:
     """Each task rejects duplicates inside its group; this finds keys repeated across groups."""
     import numpy as np
 
-    keyed = [r for r in results if r.key_hashes]
+    sources = {t.group: t.sources for t in tasks} | {gid: refs for gid, refs, _ in kept}
+    keyed = [(r.group, r.key_hashes) for r in results if r.key_hashes] + [(gid, h) for gid, _, h in kept if h]
     if len(keyed) < 2:
         return
-    arrays = [np.frombuffer(r.key_hashes, dtype=np.uint64) for r in keyed]
-    owners = np.concatenate([np.full(len(a), r.group, dtype=np.int64) for a, r in zip(arrays, keyed, strict=True)])
+    arrays = [np.frombuffer(h, dtype=np.uint64) for _, h in keyed]
+    owners = np.concatenate([np.full(len(a), gid, dtype=np.int64) for a, (gid, _) in zip(arrays, keyed, strict=True)])
     allh = np.concatenate(arrays)
     order = np.argsort(allh, kind="stable")
     sorted_h = allh[order]
@@ -195,33 +238,63 @@ def _check_duplicates(client: Any, results: list[GroupResult], tasks: list[Group
     if len(dup) == 0:
         return
     i = int(dup[0])
-    h = int(sorted_h[i])
-    groups = (tasks[int(owners[order[i]])], tasks[int(owners[order[i + 1]])])
+    t = tasks[0]
+    groups = tuple(
+        GroupTask(g, sources[g], t.fmt, t.route, t.region_names, 0, 0, t.key_feature, t.tmpdir, t.s3)
+        for g in (int(owners[order[i]]), int(owners[order[i + 1]]))
+    )
     # Only the 64-bit hash came back; a task finds the key and its sources for the message.
-    found = client.submit(find_key, groups, h, pure=False).result()
+    found = client.submit(find_key, groups, int(sorted_h[i]), pure=False).result()
     raise DataError(f"duplicate sample key {found[0]!r} in {' and '.join(found[1])}")
 
 
+def plan_increment(
+    refs: Sequence[SourceRef], previous: Manifest, plan: Plan, s3: S3Access
+) -> tuple[list[tuple[int, tuple[SourceRef, ...]]], dict[int, tuple[SourceRef, ...]]]:
+    """Groups to re-split (a source changed or vanished) or to add (new sources), and groups to keep.
+
+    A source is unchanged when its path, size and sha256 match the manifest; only sources whose
+    size still matches are re-hashed.
+    """
+    current = {r.url: r for r in refs}
+    changed = {s.group for s in previous.sources if s.url not in current or current[s.url].size != s.size}
+    same_size = [(s, current[s.url]) for s in previous.sources if s.url in current and current[s.url].size == s.size]
+    with ThreadPoolExecutor(max_workers=4) as pool:  # hashlib releases the GIL
+        digests = list(pool.map(lambda pair: hash_source(pair[1], s3), same_size))
+    changed |= {s.group for (s, _), digest in zip(same_size, digests, strict=True) if digest != s.sha256}
+    groups: dict[int, list[SourceRef]] = {}
+    for s in previous.sources:
+        if s.url in current:
+            groups.setdefault(s.group, []).append(current[s.url])
+    known = {s.url for s in previous.sources}
+    fresh = [r for r in refs if r.url not in known]
+    next_id = max((s.group for s in previous.sources), default=-1) + 1
+    work = [(g, tuple(groups[g])) for g in sorted(changed) if g in groups]
+    work += [(next_id + i, g) for i, g in enumerate(make_groups(fresh, plan))] if fresh else []
+    return work, {g: tuple(refs_) for g, refs_ in groups.items() if g not in changed}
+
+
 def _manifests(
-    plan: Plan, fmt: Format, results: list[GroupResult], previous: Manifest | None, settings: SplitSettings
+    plan: Plan,
+    fmt: Format,
+    results: list[GroupResult],
+    previous: Manifest | None,
+    settings: SplitSettings,
+    kept: tuple[dict[str, list[ShardEntry]], list[SourceEntry]] = ({}, []),
 ) -> tuple[Manifest, dict[str, RegionManifest]]:
     generation = (previous.generation + 1) if previous else 1
     plan_sha = plan.sha256()
     regions: dict[str, RegionManifest] = {}
     summaries: dict[str, RegionSummary] = {}
     for name in plan.region_names:
-        shards = tuple(
-            ShardEntry(path=s.name, samples=s.samples, bytes=s.bytes, sha256=s.sha256, group=s.group)
-            for r in results
-            for s in sorted(r.shards, key=lambda s: s.name)
-            if s.region == name
-        )
+        fresh = [ShardEntry(s.name, s.samples, s.bytes, s.sha256, s.group) for r in results for s in r.shards if s.region == name]
+        shards = tuple(sorted(fresh + kept[0].get(name, []), key=lambda e: e.path))
         rm = RegionManifest(region=name, format=fmt, generation=generation, plan_sha256=plan_sha, shards=shards)
         regions[name] = rm
         summaries[name] = RegionSummary(
             manifest=f"{name}/{MANIFEST}", shards=len(shards), samples=rm.samples, bytes=rm.bytes, sha256=manifest_sha(rm)
         )
-    sources: list[SourceEntry] = [s for r in results for s in r.sources]
+    sources = sorted([s for r in results for s in r.sources] + kept[1], key=lambda s: (s.group, s.url))
     created = settings.created or datetime.now(UTC).isoformat(timespec="seconds")
     manifest = Manifest(
         generation=generation,

@@ -19,10 +19,11 @@ from geoshard.manifest import MANIFEST, Manifest, RegionManifest, read_region_ma
 
 log = logging.getLogger(__name__)
 TMP = ".geoshard-tmp"
+KEYS = ".geoshard-keys"  # sorted 64-bit key hashes per group: duplicate checks for incremental splits
 SHARD_SUFFIXES = tuple(SHARD_SUFFIX.values())
 
 
-def publish(out: Path, tmpdir: Path, manifest: Manifest, regions: Mapping[str, RegionManifest]) -> None:
+def publish(out: Path, tmpdir: Path, manifest: Manifest, regions: Mapping[str, RegionManifest], keys: Mapping[int, bytes]) -> None:
     previous: dict[str, set[str]] = {}
     for name in regions:
         try:
@@ -35,10 +36,15 @@ def publish(out: Path, tmpdir: Path, manifest: Manifest, regions: Mapping[str, R
         for shard in rm.shards:
             src = tmpdir / name / shard.path
             dst = rdir / shard.path
-            if dst.exists() and dst.stat().st_size == shard.bytes:
+            if not src.exists():  # kept from the previous generation by an incremental split
+                if not dst.exists():
+                    raise DataError(f"{dst}: shard kept from generation {manifest.generation - 1} is missing; run a full split")
+            elif dst.exists() and dst.stat().st_size == shard.bytes:
                 src.unlink()  # same content-addressed name: the bytes are already there
             else:
                 os.replace(src, dst)
+    for gid, hashes in keys.items():
+        write_atomic(out / KEYS / f"{gid:05d}.u64", hashes)
     for name, rm in regions.items():
         write_atomic(out / name / MANIFEST, rm.to_json())
     write_atomic(out / MANIFEST, manifest.to_json())
