@@ -10,17 +10,15 @@ import json
 import logging
 import sys
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import click
 
-from geoshard.env import read_environment
+from geoshard.cli_common import created_time, plan_option, quiet_dask, s3_access
 from geoshard.errors import GeoshardError
 from geoshard.formats import FORMATS, Format
-from geoshard.plan import Plan, load_plan
-from geoshard.sources import S3Access
+from geoshard.plan import load_plan
 from geoshard.units import human_bytes
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -44,31 +42,6 @@ def main(verbose: int) -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for noisy in ("distributed", "tornado", "bokeh", "botocore", "urllib3"):
         logging.getLogger(noisy).setLevel(max(level, logging.ERROR))
-
-
-def _quiet_dask() -> None:
-    """distributed sets its own logger levels on import; keep its chatter below ours."""
-    import distributed  # noqa: F401
-
-    ours = logging.getLogger().getEffectiveLevel()
-    for name in list(logging.root.manager.loggerDict):
-        if name.split(".")[0] in ("distributed", "tornado", "bokeh"):
-            logging.getLogger(name).setLevel(max(ours, logging.ERROR) if ours > logging.DEBUG else ours)
-
-
-def plan_option(f: F) -> F:
-    return click.option("--plan", "plan_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Region plan (TOML).")(
-        f
-    )
-
-
-def _s3_access(plan: Plan | None, endpoint: str | None) -> S3Access:
-    env = read_environment()
-    buckets = []
-    for r in plan.regions if plan else ():
-        if r.bucket_name:
-            buckets.append((r.bucket_name, r.endpoint, r.profile))
-    return S3Access(default_endpoint=endpoint or env.endpoint_url, buckets=tuple(buckets))
 
 
 @main.command()
@@ -96,20 +69,16 @@ def split(
     from geoshard.cli_progress import SplitProgress, split_table
     from geoshard.split import SplitSettings, run_split
 
-    _quiet_dask()
+    quiet_dask()
     plan = load_plan(plan_path)
-    env = read_environment()
-    created = None
-    if env.source_date_epoch is not None:
-        created = datetime.fromtimestamp(env.source_date_epoch, UTC).isoformat(timespec="seconds")
     settings = SplitSettings(
         out=out,
         workers=workers,
         scheduler=scheduler,
         fmt=cast(Format | None, fmt),
-        s3=_s3_access(plan, endpoint),
+        s3=s3_access(plan, endpoint),
         replace=replace,
-        created=created,
+        created=created_time(),
     )
     with SplitProgress(enabled=not as_json) as progress:
         result = run_split(list(sources), plan, settings, progress=progress.update)
@@ -209,13 +178,22 @@ def demo(out: Path, samples: int, workers: int | None) -> None:
     from geoshard.cli_progress import SplitProgress, split_table
     from geoshard.demo import DemoSettings, run_demo
 
-    _quiet_dask()
+    quiet_dask()
     click.echo(f"geoshard demo: {samples:,} synthetic samples -> three regions under {out}/")
     with SplitProgress() as progress:
         plan, result = run_demo(DemoSettings(out=out, samples=samples, workers=workers), progress=progress.update)
     split_table(result)
     click.echo(f"plan: {plan.path}   split: {out / 'split'}   next: geoshard verify {out / 'split'}")
 
+
+def _register() -> None:
+    from geoshard.cli_sync import COMMANDS
+
+    for command in COMMANDS:
+        main.add_command(command)
+
+
+_register()
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import threading
+import time
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -69,3 +70,58 @@ def split_table(result: SplitResult) -> None:
         f"{result.samples_in:,} samples, {human_bytes(result.bytes_in)} in {result.seconds:.1f} s "
         f"({rate:,.0f} samples/s, {result.bytes_in / 1e6 / max(result.seconds, 1e-9):.0f} MB/s)"
     )
+
+
+class TransferProgress:
+    """Objects, bytes and rate of s5cmd transfers as they complete; draws only on a terminal."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        console = Console(stderr=True)
+        self.enabled = enabled and console.is_terminal
+        self.lock = threading.Lock()
+        self.objects = self.bytes = 0
+        self.started = time.monotonic()
+        self.bar = Progress(
+            TextColumn("[bold]transfer"),
+            BarColumn(bar_width=None),
+            TextColumn("{task.fields[objects]:,} objects  {task.fields[mb]:.1f} MB  {task.fields[rate]:.1f} MB/s"),
+            TimeElapsedColumn(),
+            console=console,
+            disable=not self.enabled,
+            transient=True,
+        )
+        self.task = self.bar.add_task("transfer", total=None, objects=0, mb=0.0, rate=0.0)
+
+    def update(self, event: dict[str, int]) -> None:
+        with self.lock:
+            self.objects += event.get("objects", 0)
+            self.bytes += event.get("bytes", 0)
+            rate = self.bytes / 1e6 / max(time.monotonic() - self.started, 1e-6)
+            self.bar.update(self.task, objects=self.objects, mb=self.bytes / 1e6, rate=rate)
+
+    def __enter__(self) -> TransferProgress:
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.bar.__exit__(t, e, tb)
+
+
+def sync_table(report: dict[str, Any]) -> None:
+    title = "sync (dry run: nothing changed)" if report.get("dry_run") else "sync"
+    table = Table(title=title)
+    for col in ("region", "uploaded", "skipped", "deleted", "failed", "bytes", "generation", "status"):
+        table.add_column(col, justify="left" if col in ("region", "status") else "right")
+    for name, r in report["regions"].items():
+        status = "published" if r.get("published") else ("would publish" if report.get("dry_run") and not r.get("error") else "FAILED")
+        table.add_row(
+            name,
+            str(r["uploaded"]),
+            str(r["skipped"]),
+            str(r["deleted"]),
+            str(r["failed"]),
+            human_bytes(r["bytes_uploaded"]),
+            str(r["generation"]),
+            status,
+        )
+    Console().print(table)

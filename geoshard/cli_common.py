@@ -1,0 +1,49 @@
+"""Pieces shared by the CLI modules: options and the settings they build (at the edge)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from geoshard.env import read_environment
+from geoshard.plan import Plan
+from geoshard.sources import S3Access
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def quiet_dask() -> None:
+    """distributed sets its own logger levels on import; keep its chatter below ours."""
+    import distributed  # noqa: F401
+
+    ours = logging.getLogger().getEffectiveLevel()
+    for name in list(logging.root.manager.loggerDict):
+        if name.split(".")[0] in ("distributed", "tornado", "bokeh"):
+            logging.getLogger(name).setLevel(max(ours, logging.ERROR) if ours > logging.DEBUG else ours)
+
+
+def plan_option(f: F) -> F:
+    return click.option("--plan", "plan_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Region plan (TOML).")(
+        f
+    )
+
+
+def s3_access(plan: Plan | None, endpoint: str | None) -> S3Access:
+    """Endpoints and profiles per bucket from the plan; the default endpoint from --endpoint or the environment."""
+    env = read_environment()
+    buckets = []
+    for r in plan.regions if plan else ():
+        if r.bucket_name:
+            buckets.append((r.bucket_name, r.endpoint, r.profile))
+    return S3Access(default_endpoint=endpoint or env.endpoint_url, buckets=tuple(buckets))
+
+
+def created_time() -> str | None:
+    """SOURCE_DATE_EPOCH, when set, fixes manifest creation times (reproducible builds)."""
+    epoch = read_environment().source_date_epoch
+    return None if epoch is None else datetime.fromtimestamp(epoch, UTC).isoformat(timespec="seconds")

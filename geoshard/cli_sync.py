@@ -1,0 +1,212 @@
+"""CLI commands that move shards between this machine and the regional buckets."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from geoshard.cli_common import created_time, plan_option, quiet_dask, s3_access
+from geoshard.errors import ConfigError
+from geoshard.plan import load_plan
+from geoshard.retry import Backoff
+from geoshard.split import SplitSettings
+from geoshard.sync.push import SyncSettings
+
+
+def _sync_options(f):  # type: ignore[no-untyped-def]
+    for opt in reversed(
+        [
+            click.option("--region", "regions", multiple=True, help="Only this region (repeatable)."),
+            click.option("--dry-run", is_flag=True, help="Show what would move; change nothing."),
+            click.option("--delete", is_flag=True, help="After publishing, delete objects no kept generation names."),
+            click.option("--keep-generations", type=click.IntRange(min=0), default=1, show_default=True),
+            click.option("--workers", type=click.IntRange(min=1), default=64, show_default=True, help="s5cmd --numworkers."),
+            click.option("--retries", type=click.IntRange(min=0), default=2, show_default=True, help="Batch retries of failed objects."),
+            click.option("--create-buckets", is_flag=True, help="Create missing buckets instead of failing."),
+            click.option("--endpoint", help="S3 endpoint for regions without one in the plan (else AWS_ENDPOINT_URL)."),
+            click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout."),
+        ]
+    ):
+        f = opt(f)
+    return f
+
+
+def _sync_settings(
+    regions: tuple[str, ...],
+    dry_run: bool,
+    delete: bool,
+    keep_generations: int,
+    workers: int,
+    retries: int,
+    create_buckets: bool,
+    endpoint: str | None,
+) -> SyncSettings:
+    return SyncSettings(
+        regions=regions,
+        dry_run=dry_run,
+        delete=delete,
+        keep_generations=keep_generations,
+        workers=workers,
+        create_buckets=create_buckets,
+        default_endpoint=s3_access(None, endpoint).default_endpoint,
+        backoff=Backoff(attempts=retries + 1, base=1.0),
+    )
+
+
+def _print_sync(report_dict: dict, as_json: bool) -> None:  # type: ignore[type-arg]
+    from geoshard.cli_progress import sync_table
+
+    if as_json:
+        click.echo(json.dumps(report_dict, indent=1))
+    else:
+        sync_table(report_dict)
+
+
+@click.command()
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@plan_option
+@_sync_options
+def sync(
+    directory: Path,
+    plan_path: Path,
+    regions: tuple[str, ...],
+    dry_run: bool,
+    delete: bool,
+    keep_generations: int,
+    workers: int,
+    retries: int,
+    create_buckets: bool,
+    endpoint: str | None,
+    as_json: bool,
+) -> None:
+    """Publish each region's shards of the split in DIRECTORY to its bucket."""
+    from geoshard.cli_progress import TransferProgress
+    from geoshard.sync.push import sync as run_sync
+
+    plan = load_plan(plan_path)
+    settings = _sync_settings(regions, dry_run, delete, keep_generations, workers, retries, create_buckets, endpoint)
+    with TransferProgress(enabled=not as_json) as progress:
+        report = run_sync(directory, plan, settings, progress=progress.update)
+    _print_sync(report.to_dict(), as_json)
+    if not report.ok:
+        for name, r in report.regions.items():
+            if r.error:
+                click.echo(f"geoshard: error: region {name} not published: {r.error}", err=True)
+        sys.exit(1)
+
+
+@click.command()
+@plan_option
+@click.option("--region", required=True, help="The region whose bucket to copy.")
+@click.option("--to", "to", required=True, type=click.Path(file_okay=False, path_type=Path), help="Local replica folder.")
+@click.option("--workers", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--endpoint", help="S3 endpoint when the plan has none for the region.")
+@click.option("--json", "as_json", is_flag=True)
+def pull(plan_path: Path, region: str, to: Path, workers: int, endpoint: str | None, as_json: bool) -> None:
+    """Fill a local replica of a region from its bucket; every shard verified by sha256."""
+    from geoshard.cli_progress import TransferProgress
+    from geoshard.sync.pull import PullSettings
+    from geoshard.sync.pull import pull as run_pull
+    from geoshard.sync.remote import BucketTarget
+
+    plan = load_plan(plan_path)
+    target = BucketTarget.of(plan.region(region), s3_access(None, endpoint).default_endpoint)
+    with TransferProgress(enabled=not as_json) as progress:
+        report = run_pull(target, PullSettings(to=to, workers=workers), progress=progress.update)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=1))
+    else:
+        click.echo(
+            f"{region}: {report.downloaded} shards fetched ({report.bytes_downloaded:,} bytes), {report.skipped} already present, into {to}"
+        )
+
+
+@click.command()
+@click.argument("sources", nargs=-1, required=True)
+@plan_option
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="The split folder kept between runs.")
+@click.option(
+    "--report",
+    "report_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Run report (default: OUT/reports/refresh-<time>.json).",
+)
+@click.option("--split-workers", type=click.IntRange(min=1), help="Dask workers for the split (default: one per core).")
+@click.option("--scheduler", help="Run the split on an existing Dask cluster.")
+@_sync_options
+def refresh(
+    sources: tuple[str, ...],
+    plan_path: Path,
+    out: Path,
+    report_path: Path | None,
+    split_workers: int | None,
+    scheduler: str | None,
+    regions: tuple[str, ...],
+    dry_run: bool,
+    delete: bool,
+    keep_generations: int,
+    workers: int,
+    retries: int,
+    create_buckets: bool,
+    endpoint: str | None,
+    as_json: bool,
+) -> None:
+    """The nightly job: split new or changed SOURCES into OUT, sync, write a run report."""
+    from geoshard.sync.refresh import RefreshSettings
+    from geoshard.sync.refresh import refresh as run_refresh
+
+    if dry_run:
+        raise ConfigError("--dry-run: not supported by refresh (it would still split); use geoshard sync --dry-run")
+    quiet_dask()
+    plan = load_plan(plan_path)
+    split_settings = SplitSettings(
+        out=out, workers=split_workers, scheduler=scheduler, s3=s3_access(plan, endpoint), created=created_time(), incremental=True
+    )
+    settings = RefreshSettings(
+        split=split_settings,
+        sync=_sync_settings(regions, False, delete, keep_generations, workers, retries, create_buckets, endpoint),
+        report=report_path,
+    )
+    report = run_refresh(list(sources), plan, settings)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=1))
+    else:
+        s = report.split
+        what = "nothing new" if s["unchanged"] else f"{len(s['groups_run'])} group(s) split, {s['samples_split']:,} samples"
+        click.echo(f"refresh: {what}; generation {s['generation']}")
+        if report.sync:
+            _print_sync(report.sync.to_dict(), False)
+    if not report.ok:
+        sys.exit(1)
+
+
+@click.command()
+@plan_option
+@click.option(
+    "--png",
+    "png",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("probe.png"),
+    show_default=True,
+    help="Where to write the latency heatmap.",
+)
+@click.option("--endpoint", help="S3 endpoint for regions without one in the plan.")
+@click.option("--json", "as_json", is_flag=True)
+def probe(plan_path: Path, png: Path, endpoint: str | None, as_json: bool) -> None:
+    """Latency and throughput from this machine to every region's bucket, with a heatmap."""
+    from geoshard.sync import probe as probing
+
+    plan = load_plan(plan_path)
+    result = probing.run_probe(plan, default_endpoint=s3_access(None, endpoint).default_endpoint)
+    probing.render_heatmap(result, png)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=1))
+    else:
+        click.echo(probing.render_text(result))
+        click.echo(f"heatmap: {png}")
+
+
+COMMANDS = (sync, pull, refresh, probe)

@@ -1,0 +1,97 @@
+"""``geoshard pull``: fill a local replica of a region from its bucket, every shard verified.
+
+s5cmd does not verify downloads, so each shard lands under a temporary name, is checked against
+the bucket's manifest (sha256) and only then renamed into place; the replica's manifest is
+written last. Shards already present and correct are not fetched again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from geoshard.errors import StorageError, SyncError
+from geoshard.manifest import MANIFEST, ShardEntry, parse_region_manifest, write_atomic
+from geoshard.retry import Backoff
+from geoshard.sync.remote import Bucket, BucketTarget
+from geoshard.sync.transfer import Transfer, Transferer
+from geoshard.verify import sha256_file
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PullSettings:
+    to: Path
+    workers: int = 64
+    backoff: Backoff = field(default_factory=lambda: Backoff(attempts=3, base=1.0))
+
+
+@dataclass
+class PullReport:
+    region: str
+    downloaded: int = 0
+    skipped: int = 0
+    failed: int = 0
+    bytes_downloaded: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _ok(path: Path, shard: ShardEntry) -> bool:
+    return path.is_file() and path.stat().st_size == shard.bytes and sha256_file(path)[0] == shard.sha256
+
+
+def pull(
+    target: BucketTarget,
+    settings: PullSettings,
+    transferer: Transferer | None = None,
+    progress: Callable[[dict[str, int]], None] | None = None,
+) -> PullReport:
+    t0 = time.monotonic()
+    bucket = Bucket(target)
+    data = bucket.get(MANIFEST)
+    if data is None:
+        raise StorageError(f"{target.url(MANIFEST)}: no manifest in the bucket; run geoshard sync for region {target.region} first")
+    manifest = parse_region_manifest(data, target.url(MANIFEST))
+    report = PullReport(region=target.region)
+    root = settings.to
+    root.mkdir(parents=True, exist_ok=True)
+    missing = [s for s in manifest.shards if not _ok(root / s.path, s)]
+    report.skipped = len(manifest.shards) - len(missing)
+    transferer = transferer or Transferer(workers=settings.workers)
+    delays = settings.backoff.delays()
+    while missing:
+        temp = {s.path: root / f".{s.path}.partial" for s in missing}
+        failures = transferer.download([Transfer(str(temp[s.path]), target.url(s.path), s.bytes) for s in missing], target, progress)
+        retry = []
+        for s in missing:
+            tmp = temp[s.path]
+            if target.url(s.path) not in failures and _ok(tmp, s):
+                os.replace(tmp, root / s.path)
+                report.downloaded += 1
+                report.bytes_downloaded += s.bytes
+            else:
+                tmp.unlink(missing_ok=True)
+                retry.append(s)
+        missing = retry
+        if missing:
+            delay = next(delays, None)
+            if delay is None:
+                report.failed = len(missing)
+                raise SyncError(
+                    f"{target.region}: {len(missing)} shard(s) could not be fetched and verified, e.g. {target.url(missing[0].path)}; "
+                    "the replica's manifest was not updated"
+                )
+            log.warning("%s: %d download(s) failed or did not verify; retrying in %.1f s", target.region, len(missing), delay)
+            time.sleep(delay)
+    write_atomic(root / MANIFEST, manifest.to_json())
+    report.seconds = time.monotonic() - t0
+    return report

@@ -1,0 +1,210 @@
+"""``geoshard sync``: publish each region's shards to its bucket, atomically per region.
+
+Order per region: abort multipart uploads left by an interrupted run; compare the local region
+manifest with the bucket's (and its listing); verify every local shard that must move; upload
+them with s5cmd (failed objects retried with backoff); check every shard the new manifest names
+(size, and the MD5 ETag of single-part uploads); then publish the manifest (a history copy
+first, ``manifest.json`` last); then, with ``delete``, remove objects no kept generation names.
+A reader of the bucket therefore only ever sees a manifest whose shards are all present.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from geoshard.errors import DataError, GeoshardError, SyncError
+from geoshard.manifest import RegionManifest, parse_region_manifest, read_manifest, read_region_manifest
+from geoshard.plan import Plan
+from geoshard.retry import Backoff
+from geoshard.sync.remote import HISTORY, MANIFEST, Bucket, BucketTarget, RemoteObject
+from geoshard.sync.transfer import Transfer, Transferer
+from geoshard.sync.verify_local import LocalShard, check_local
+
+log = logging.getLogger(__name__)
+ProgressFn = Callable[[dict[str, int]], None]
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    regions: tuple[str, ...] = ()  # empty: every region of the plan
+    dry_run: bool = False
+    delete: bool = False
+    keep_generations: int = 1  # previous generations whose shards --delete keeps
+    workers: int = 64  # s5cmd --numworkers
+    create_buckets: bool = False
+    default_endpoint: str | None = None
+    backoff: Backoff = field(default_factory=lambda: Backoff(attempts=3, base=1.0))
+
+
+@dataclass
+class RegionReport:
+    region: str
+    uploaded: int = 0
+    skipped: int = 0
+    deleted: int = 0
+    failed: int = 0
+    bytes_uploaded: int = 0
+    aborted_uploads: int = 0
+    generation: int = 0
+    published: bool = False
+    error: str | None = None
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class SyncReport:
+    regions: dict[str, RegionReport]
+    dry_run: bool
+
+    @property
+    def ok(self) -> bool:
+        return all(r.error is None for r in self.regions.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dry_run": self.dry_run, "ok": self.ok, "regions": {n: r.to_dict() for n, r in self.regions.items()}}
+
+
+def sync(
+    directory: Path, plan: Plan, settings: SyncSettings, transferer: Transferer | None = None, progress: ProgressFn | None = None
+) -> SyncReport:
+    """Publish every selected region; a failed region keeps its previous manifest, the others go on."""
+    top = read_manifest(directory)
+    names = settings.regions or tuple(n for n in plan.region_names if n in top.regions)
+    for n in names:
+        plan.region(n)  # unknown names are a ConfigError
+        if n not in top.regions:
+            raise DataError(f"{directory}: the split has no region {n!r}")
+    transferer = transferer or Transferer(workers=settings.workers)
+    report = SyncReport(regions={}, dry_run=settings.dry_run)
+    for name in names:
+        t0 = time.monotonic()
+        rr = RegionReport(region=name)
+        report.regions[name] = rr
+        try:
+            local = read_region_manifest(directory / top.regions[name].manifest)
+            target = BucketTarget.of(plan.region(name), settings.default_endpoint)
+            sync_region(local, (directory / top.regions[name].manifest).parent, target, settings, transferer, rr, progress)
+        except GeoshardError as e:
+            rr.error = e.message
+            log.error("region %s not published: %s", name, e.message)
+        rr.seconds = time.monotonic() - t0
+    return report
+
+
+def sync_region(
+    local: RegionManifest,
+    root: Path,
+    target: BucketTarget,
+    settings: SyncSettings,
+    transferer: Transferer,
+    rr: RegionReport,
+    progress: ProgressFn | None = None,
+    bucket: Bucket | None = None,
+) -> None:
+    bucket = bucket or Bucket(target)
+    started = datetime.now(UTC)
+    rr.generation = local.generation
+    if not settings.dry_run:
+        bucket.ensure_bucket(settings.create_buckets)
+        for key, upload_id in bucket.stale_multipart_uploads(before=started):
+            bucket.abort_multipart(key, upload_id)
+            rr.aborted_uploads += 1
+    listing = bucket.list()
+    remote_data = bucket.get(MANIFEST)
+    remote = parse_region_manifest(remote_data, target.url(MANIFEST)) if remote_data else None
+    published = {s.path: s.sha256 for s in remote.shards} if remote else {}
+
+    # Shards the bucket's manifest already names, present with the right size, need no local read.
+    todo = [s for s in local.shards if not (published.get(s.path) == s.sha256 and _same_size(listing.get(s.path), s.bytes))]
+    rr.skipped = len(local.shards) - len(todo)
+    checked = [check_local(s, root / s.path, target.region) for s in todo]  # before any upload
+    # Objects an interrupted run already uploaded (content-addressed names) are kept, not re-sent.
+    uploads = [c for c in checked if not _matches(listing.get(c.entry.path), c)]
+    rr.skipped += len(checked) - len(uploads)
+    if settings.dry_run:
+        rr.uploaded = len(uploads)
+        rr.bytes_uploaded = sum(c.entry.bytes for c in uploads)
+        rr.deleted = len(_unreferenced(bucket, listing, local, settings.keep_generations, dry_run=True)) if settings.delete else 0
+        return
+    _upload(uploads, target, transferer, settings.backoff, rr, progress)
+
+    after = bucket.list()
+    by_path = {c.entry.path: c for c in checked}
+    for s in local.shards:
+        obj = after.get(s.path)
+        if obj is None or obj.size != s.bytes or (s.path in by_path and not _matches(obj, by_path[s.path])):
+            raise SyncError(f"{target.url(s.path)}: missing or wrong after upload (size or ETag differs); manifest not published")
+    data = local.to_json()
+    bucket.put(f"{HISTORY}/{local.generation:08d}.json", data)
+    bucket.put(MANIFEST, data)
+    rr.published = True
+    if settings.delete:
+        stale = _unreferenced(bucket, after, local, settings.keep_generations, dry_run=False)
+        rr.deleted = bucket.delete(stale)
+
+
+def _same_size(obj: RemoteObject | None, size: int) -> bool:
+    return obj is not None and obj.size == size
+
+
+def _matches(obj: RemoteObject | None, shard: LocalShard) -> bool:
+    """Size, and the MD5 ETag where the object was a single-part upload (multipart ETags contain '-')."""
+    return obj is not None and obj.size == shard.entry.bytes and ("-" in obj.etag or obj.etag == shard.md5)
+
+
+def _upload(
+    uploads: Sequence[LocalShard],
+    target: BucketTarget,
+    transferer: Transferer,
+    backoff: Backoff,
+    rr: RegionReport,
+    progress: ProgressFn | None,
+) -> None:
+    pending = {target.url(c.entry.path): c for c in uploads}
+    delays = backoff.delays()
+    while pending:
+        batch = [Transfer(str(c.path), url, c.entry.bytes) for url, c in pending.items()]
+        failures = transferer.upload(batch, target, progress)
+        for url in list(pending):
+            if url not in failures:
+                c = pending.pop(url)
+                rr.uploaded += 1
+                rr.bytes_uploaded += c.entry.bytes
+        if not pending:
+            return
+        delay = next(delays, None)
+        if delay is None:
+            rr.failed = len(pending)
+            url, err = next(iter(failures.items()))
+            raise SyncError(f"{target.region}: {len(pending)} shard(s) failed to upload, e.g. {url}: {err}; manifest not published")
+        log.warning("%s: %d upload(s) failed; retrying in %.1f s", target.region, len(pending), delay)
+        time.sleep(delay)
+
+
+def _unreferenced(bucket: Bucket, listing: dict[str, RemoteObject], current: RegionManifest, keep: int, dry_run: bool) -> list[str]:
+    """Objects under the prefix that neither this manifest nor the ``keep`` previous ones name."""
+    history = sorted((p for p in listing if p.startswith(HISTORY + "/")), reverse=True)
+    kept_history = [f"{HISTORY}/{current.generation:08d}.json"]
+    referenced = {s.path for s in current.shards}
+    for p in history:
+        if p in kept_history or len(kept_history) > keep:
+            continue
+        data = bucket.get(p)
+        if data is None:
+            continue
+        m = parse_region_manifest(data, bucket.target.url(p))
+        if m.generation >= current.generation:
+            continue
+        kept_history.append(p)
+        referenced |= {s.path for s in m.shards}
+    keep_set = referenced | set(kept_history) | {MANIFEST}
+    return sorted(p for p in listing if p not in keep_set)
