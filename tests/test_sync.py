@@ -185,3 +185,57 @@ def test_pull_without_a_published_manifest(tmp_path: Path, aws: SeaweedS3) -> No
     _create(aws, buckets)
     r = cli("pull", "--plan", plan, "--region", "eu-west-1", "--to", tmp_path / "r")
     assert r.exit_code == 1 and "no manifest in the bucket" in r.stderr
+
+
+@pytest.mark.slow
+def test_server_killed_mid_sync_keeps_previous_generation_and_rerun_uploads_only_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hashlib
+    import subprocess
+    import sys
+
+    with SeaweedS3(tmp_path / "weed") as server:
+        for k, v in server.env(endpoint=False).items():
+            monkeypatch.setenv(k, v)
+        for k in (*SeaweedS3.UNSET_ENV, "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+            monkeypatch.delenv(k, raising=False)
+        plan, buckets = sync_plan(tmp_path / "plan.toml", server, "kill", shard_bytes="48KB")
+        _create(server, buckets)
+        out = make_split(tmp_path / "g1", plan, samples=300)
+        assert cli("sync", out, "--plan", plan).exit_code == 0
+        before = remote_manifest(server, buckets["us-east-1"])
+        # Generation 2 from a larger, different corpus: hundreds of new shards to upload.
+        from splitkit import make_corpus
+
+        make_corpus(tmp_path / "g2", samples=12_000, sample_bytes=1_000, shard_samples=1000, seed=3)
+        assert cli("split", tmp_path / "g2", "--plan", plan, "--out", out, "--replace", "--workers", "1").exit_code == 0
+        total = len(read_region_manifest(out / "us-east-1").shards)
+        geoshard = str(Path(sys.executable).with_name("geoshard"))
+        p = subprocess.Popen(
+            [geoshard, "sync", str(out), "--plan", str(plan), "--region", "us-east-1", "--workers", "4", "--retries", "0"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 30
+        with contextlib.closing(server.client()) as c:
+            while time.monotonic() < deadline:  # kill the server once some of generation 2 has landed
+                n = c.list_objects_v2(Bucket=buckets["us-east-1"]).get("KeyCount", 0)
+                if n > len(before["shards"]) + 5:  # type: ignore[index]
+                    break
+                time.sleep(0.02)
+        server.kill()
+        _, err = p.communicate(timeout=60)
+        assert p.returncode != 0, err
+        server.start()
+        after = remote_manifest(server, buckets["us-east-1"])
+        assert after == before  # readers still see generation 1 ...
+        got = objects(server, buckets["us-east-1"])
+        for s in before["shards"]:  # type: ignore[index]
+            assert hashlib.sha256(got[f"train/{s['path']}"]).hexdigest() == s["sha256"]  # ... and all of its shards
+        present = sum(1 for s in read_region_manifest(out / "us-east-1").shards if f"train/{s.path}" in got)
+        doc = json.loads(cli("sync", out, "--plan", plan, "--region", "us-east-1", "--json").stdout)
+        assert doc["regions"]["us-east-1"]["published"]
+        assert present > 0 and doc["regions"]["us-east-1"]["uploaded"] <= total - present + 1  # +1: an object cut mid-upload
+        assert remote_manifest(server, buckets["us-east-1"])["generation"] == 2  # type: ignore[index]
