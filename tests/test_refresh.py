@@ -1,0 +1,118 @@
+"""geoshard refresh, the nightly job: lock, incremental split, sync, report."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from servers import SeaweedS3
+from splitkit import make_corpus
+from synckit import cli, objects, remote_manifest, sync_plan
+
+from geoshard.formats import wds
+from geoshard.manifest import read_region_manifest
+from geoshard.sync.refresh import LOCK, refresh_lock
+
+
+@pytest.fixture
+def aws(s3: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> Iterator[SeaweedS3]:
+    for k, v in s3.env(endpoint=False).items():
+        monkeypatch.setenv(k, v)
+    for k in (*SeaweedS3.UNSET_ENV, "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(k, raising=False)
+    yield s3
+
+
+def _source(path: Path, prefix: str, n: int, size: int = 300) -> None:
+    with open(path, "wb") as f:
+        w = wds.TarWriter(f)
+        for i in range(n):
+            key = f"{prefix}{i:05d}".encode()
+            w.write_sample([(key + b".bin", os.urandom(size)), (key + b".cls", b"1")])
+        w.close()
+
+
+def test_second_refresh_exits_75_and_a_dead_holders_lock_is_taken_over(tmp_path: Path, aws: SeaweedS3) -> None:
+    plan, buckets = sync_plan(tmp_path / "plan.toml", aws, "lock")
+    make_corpus(tmp_path / "c", samples=100)
+    out = tmp_path / "out"
+    with refresh_lock(out):
+        r = cli("refresh", tmp_path / "c", "--plan", plan, "--out", out, "--create-buckets")
+        assert r.exit_code == 75 and f"another geoshard refresh (pid {os.getpid()}) is running" in r.stderr
+    assert not (out / "manifest.json").exists()
+    # A killed holder leaves its pid in the file but no lock: the next run takes over.
+    (out / LOCK).write_text("999999\n")
+    r = cli("refresh", tmp_path / "c", "--plan", plan, "--out", out, "--create-buckets", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["ok"] and doc["split"]["generation"] == 1 and (out / LOCK).read_text().strip() != "999999"
+    assert all(remote_manifest(aws, b) is not None for b in buckets.values())
+    reports = list((out / "reports").glob("refresh-*.json"))
+    assert len(reports) == 1 and json.loads(reports[0].read_text())["sync"]["regions"]["us-east-1"]["published"]
+
+
+def test_one_new_source_of_a_hundred_uploads_little_more_than_itself(tmp_path: Path, aws: SeaweedS3) -> None:
+    plan, _ = sync_plan(tmp_path / "plan.toml", aws, "inc", shard_bytes="256KB")
+    (tmp_path / "c").mkdir()
+    for i in range(100):
+        _source(tmp_path / "c" / f"part-{i:03d}.tar", f"p{i:03d}-", 40)
+    out = tmp_path / "out"
+    first = json.loads(cli("refresh", tmp_path / "c", "--plan", plan, "--out", out, "--create-buckets", "--json").stdout)
+    assert first["ok"]
+    quiet = json.loads(cli("refresh", tmp_path / "c", "--plan", plan, "--out", out, "--json").stdout)
+    assert quiet["split"]["unchanged"] and all(r["uploaded"] == 0 for r in quiet["sync"]["regions"].values())
+    _source(tmp_path / "c" / "part-100.tar", "new-", 40)
+    new_bytes = (tmp_path / "c" / "part-100.tar").stat().st_size
+    doc = json.loads(cli("refresh", tmp_path / "c", "--plan", plan, "--out", out, "--json").stdout)
+    uploaded = sum(r["bytes_uploaded"] for r in doc["sync"]["regions"].values())
+    objects_up = sum(r["uploaded"] for r in doc["sync"]["regions"].values())
+    # The contract: no more than the new data plus one shard per region.
+    assert uploaded <= new_bytes + 3 * 256_000, (uploaded, new_bytes)
+    assert objects_up <= 3 and len(doc["split"]["groups_run"]) == 1 and doc["split"]["samples_split"] == 40
+    print(f"new source {new_bytes} bytes; refresh uploaded {uploaded} bytes in {objects_up} objects")
+
+
+@pytest.mark.slow
+def test_killed_refresh_converges_to_the_uninterrupted_state(tmp_path: Path, aws: SeaweedS3) -> None:
+    def setup(name: str) -> tuple[Path, dict[str, str], Path]:
+        plan, buckets = sync_plan(tmp_path / f"{name}.toml", aws, name, shard_bytes="64KB")
+        corpus = tmp_path / f"{name}-c"
+        make_corpus(corpus, samples=6000, sample_bytes=800, shard_samples=500, seed=1)
+        return plan, buckets, corpus
+
+    plan, buckets, corpus = setup("ctl")
+    assert cli("refresh", corpus, "--plan", plan, "--out", tmp_path / "ctl-out", "--create-buckets").exit_code == 0
+    kplan, kbuckets, kcorpus = setup("kil")
+    geoshard = str(Path(sys.executable).with_name("geoshard"))
+    argv = [geoshard, "refresh", str(kcorpus), "--plan", str(kplan), "--out", str(tmp_path / "kil-out"), "--create-buckets"]
+    p = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and _count(aws, kbuckets["us-east-1"]) == 0:
+        time.sleep(0.05)  # until the sync stage has started on the first region
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    assert cli("refresh", kcorpus, "--plan", kplan, "--out", tmp_path / "kil-out", "--create-buckets").exit_code == 0
+    for region in buckets:
+        ctl, kil = objects(aws, buckets[region]), objects(aws, kbuckets[region])
+        shards = lambda objs: {k: v for k, v in objs.items() if k.endswith(".tar")}  # noqa: E731
+        assert shards(ctl) == shards(kil) and shards(ctl)
+        cm, km = json.loads(ctl["train/manifest.json"]), json.loads(kil["train/manifest.json"])
+        assert cm["shards"] == km["shards"]
+        assert read_region_manifest(tmp_path / "kil-out" / region).shards == read_region_manifest(tmp_path / "ctl-out" / region).shards
+
+
+def _count(server: SeaweedS3, bucket: str) -> int:
+    import contextlib
+
+    with contextlib.closing(server.client()) as c:
+        try:
+            return int(c.list_objects_v2(Bucket=bucket).get("KeyCount", 0))
+        except c.exceptions.NoSuchBucket:
+            return 0
