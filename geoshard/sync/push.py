@@ -11,8 +11,10 @@ A reader of the bucket therefore only ever sees a manifest whose shards are all 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,7 +24,7 @@ from geoshard.errors import DataError, GeoshardError, SyncError
 from geoshard.manifest import RegionManifest, parse_region_manifest, read_manifest, read_region_manifest
 from geoshard.plan import Plan
 from geoshard.retry import Backoff
-from geoshard.sync.remote import HISTORY, MANIFEST, Bucket, BucketTarget, RemoteObject
+from geoshard.sync.remote import HISTORY, MANIFEST, Bucket, BucketTarget, MissingBucket, RemoteObject
 from geoshard.sync.transfer import Transfer, Transferer
 from geoshard.sync.verify_local import LocalShard, check_local
 
@@ -113,20 +115,30 @@ def sync_region(
     bucket = bucket or Bucket(target)
     started = datetime.now(UTC)
     rr.generation = local.generation
+    # Long links make round trips the fixed cost of a sync: the opening requests go out together.
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        f_listing = pool.submit(bucket.list)
+        f_manifest = pool.submit(bucket.get, MANIFEST)
+        f_stale = pool.submit(lambda: list(bucket.stale_multipart_uploads(before=started)))
+        try:
+            listing, remote_data, stale = f_listing.result(), f_manifest.result(), f_stale.result()
+        except MissingBucket:
+            if not settings.create_buckets or settings.dry_run:
+                raise
+            bucket.ensure_bucket(create=True)
+            listing, remote_data, stale = {}, None, []
     if not settings.dry_run:
-        bucket.ensure_bucket(settings.create_buckets)
-        for key, upload_id in bucket.stale_multipart_uploads(before=started):
+        for key, upload_id in stale:  # left by an interrupted run
             bucket.abort_multipart(key, upload_id)
             rr.aborted_uploads += 1
-    listing = bucket.list()
-    remote_data = bucket.get(MANIFEST)
     remote = parse_region_manifest(remote_data, target.url(MANIFEST)) if remote_data else None
     published = {s.path: s.sha256 for s in remote.shards} if remote else {}
 
     # Shards the bucket's manifest already names, present with the right size, need no local read.
     todo = [s for s in local.shards if not (published.get(s.path) == s.sha256 and _same_size(listing.get(s.path), s.bytes))]
     rr.skipped = len(local.shards) - len(todo)
-    checked = [check_local(s, root / s.path, target.region) for s in todo]  # before any upload
+    with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:  # hashlib releases the GIL
+        checked = list(pool.map(lambda s: check_local(s, root / s.path, target.region), todo))  # all before any upload
     # Objects an interrupted run already uploaded (content-addressed names) are kept, not re-sent.
     uploads = [c for c in checked if not _matches(listing.get(c.entry.path), c)]
     rr.skipped += len(checked) - len(uploads)
@@ -144,8 +156,10 @@ def sync_region(
         if obj is None or obj.size != s.bytes or (s.path in by_path and not _matches(obj, by_path[s.path])):
             raise SyncError(f"{target.url(s.path)}: missing or wrong after upload (size or ETag differs); manifest not published")
     data = local.to_json()
-    bucket.put(f"{HISTORY}/{local.generation:08d}.json", data)
-    bucket.put(MANIFEST, data)
+    # Readers only open manifest.json; the history copy is for --delete's generation bookkeeping.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for f in [pool.submit(bucket.put, f"{HISTORY}/{local.generation:08d}.json", data), pool.submit(bucket.put, MANIFEST, data)]:
+            f.result()
     rr.published = True
     if settings.delete:
         stale = _unreferenced(bucket, after, local, settings.keep_generations, dry_run=False)

@@ -21,6 +21,10 @@ MANIFEST = "manifest.json"
 HISTORY = "_geoshard/manifests"  # previous region manifests, by generation
 
 
+class MissingBucket(StorageError):
+    """The region's bucket does not exist."""
+
+
 @dataclass(frozen=True)
 class RemoteObject:
     key: str
@@ -71,10 +75,12 @@ class Bucket:
             )
         if isinstance(e, ClientError):
             code = e.response.get("Error", {}).get("Code", "?")
+            if code == "NoSuchBucket":
+                return MissingBucket(f"{self.target.where}: bucket does not exist; create it or pass --create-buckets")
             hint = {
                 "NoSuchBucket": "create it or pass --create-buckets",
-                "InvalidAccessKeyId": "check the credentials for this region",
-                "SignatureDoesNotMatch": "check the secret key for this region",
+                "InvalidAccessKeyId": "check the credentials (access key id) for this region",
+                "SignatureDoesNotMatch": "check the credentials (secret key) for this region",
                 "AccessDenied": "check the bucket policy and credentials",
                 "403": "access denied; check the credentials for this region",
             }.get(code, "")
@@ -99,7 +105,7 @@ class Bucket:
             code = e.response.get("Error", {}).get("Code", "?")
             if code not in ("404", "NoSuchBucket") or not create:
                 if code in ("404", "NoSuchBucket"):
-                    raise StorageError(f"{self.target.where}: bucket does not exist; create it or pass --create-buckets") from e
+                    raise MissingBucket(f"{self.target.where}: bucket does not exist; create it or pass --create-buckets") from e
                 raise self._fail("HEAD bucket", e) from e
         except BotoCoreError as e:
             raise self._fail("HEAD bucket", e) from e

@@ -1,0 +1,463 @@
+"""``geoshard probe``: latency and throughput from this host to every region's bucket.
+
+For each region of the plan with a bucket, in order, with one boto3 client per region (the
+region's endpoint and profile, credentials from the AWS SDK chain):
+
+1. a TCP connect to the endpoint with a short timeout, so a region that is down becomes an
+   error cell in seconds instead of waiting out the SDK's connect timeout and retries;
+2. a HEAD of the bucket (warm-up: credentials, TLS, pooled connection; not counted) and one
+   LIST page of the prefix, which finds ``<prefix>/manifest.json`` and the largest object;
+3. latency: ``samples`` HEADs (of the region manifest, else of the bucket) alternating with
+   ``samples`` small GETs (the first 16 KiB of the manifest, else of an object, else a LIST of
+   one key), on the warm connection; median and p90 of all of them;
+4. throughput: ranged GETs of the first ``throughput_bytes`` (4 MB) of the largest object
+   under the prefix, best of ``throughput_samples``. Nothing is written unless ``write=True``:
+   then, when the prefix holds no object of at least 1 MB, the probe PUTs a 4 MB object
+   ``<prefix>/.geoshard-probe`` (and reports the PUT's throughput), reads it, and deletes it.
+   Without ``write`` and without such an object, the largest object there is read, whatever its
+   size (the cell records how many bytes the figure is based on), or none is measured.
+
+Errors name the bucket and the endpoint (user:password parts of endpoint URLs are dropped) and
+carry error codes and exception types only, never SDK messages, so no credential can leak into
+the output. A failing region is a cell with ``error`` set, never an exception.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import socket
+import statistics
+import time
+import urllib.parse
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from geoshard.plan import Plan, Region
+from geoshard.sources import s3_client
+from geoshard.sync.remote import MANIFEST, BucketTarget
+
+log = logging.getLogger(__name__)
+
+PROBE_OBJECT = ".geoshard-probe"
+MB = 10**6
+_SMALL_GET = 16 * 2**10
+_MIN_THROUGHPUT_OBJECT = MB  # smaller objects measure request latency more than bandwidth
+ClientFactory = Callable[[str | None, str | None], Any]
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    regions: tuple[str, ...] = ()  # empty: every region of the plan that has a bucket
+    samples: int = 5  # HEADs, and as many small GETs
+    throughput_bytes: int = 4 * MB
+    throughput_samples: int = 2
+    write: bool = False  # allow the PUT (and DELETE) of <prefix>/.geoshard-probe
+    connect_timeout: float = 3.0
+    default_endpoint: str | None = None  # for regions without an endpoint (AWS_ENDPOINT_URL*)
+
+    def __post_init__(self) -> None:
+        if self.samples < 1 or self.throughput_samples < 1 or self.throughput_bytes < 1 or self.connect_timeout <= 0:
+            raise ValueError("ProbeSettings needs samples, throughput_samples, throughput_bytes >= 1 and connect_timeout > 0")
+
+
+@dataclass(frozen=True)
+class ProbeCell:
+    """One region as seen from one host. Times in ms, throughput in MB/s (10**6 bytes/s)."""
+
+    region: str
+    url: str  # s3://bucket/prefix
+    endpoint: str  # as displayed: no user:password part
+    latency_ms_median: float | None = None
+    latency_ms_p90: float | None = None
+    latency_samples: int = 0
+    throughput_mb_s: float | None = None  # ranged GET of throughput_bytes, best sample
+    throughput_bytes: int = 0  # bytes per GET the figure is based on
+    throughput_key: str | None = None
+    upload_mb_s: float | None = None  # only when the probe object was written
+    error: str | None = None
+    seconds: float = 0.0  # spent probing this region
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """A row of the region matrix: every probed region from ``origin`` (this host)."""
+
+    origin: str
+    created: str  # ISO 8601, UTC
+    cells: tuple[ProbeCell, ...]
+    skipped: tuple[str, ...] = ()  # regions of the plan without a bucket
+    settings: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def regions(self) -> tuple[str, ...]:
+        return tuple(c.region for c in self.cells)
+
+    def cell(self, region: str) -> ProbeCell:
+        for c in self.cells:
+            if c.region == region:
+                return c
+        raise KeyError(region)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "origin": self.origin,
+            "created": self.created,
+            "cells": [c.to_dict() for c in self.cells],
+            "skipped": list(self.skipped),
+            "settings": dict(self.settings),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ProbeResult:
+        """Read a result back (e.g. ``--json`` output of other hosts, to draw one matrix of all)."""
+        return cls(
+            origin=str(d["origin"]),
+            created=str(d.get("created", "")),
+            cells=tuple(ProbeCell(**c) for c in d["cells"]),
+            skipped=tuple(d.get("skipped", ())),
+            settings=dict(d.get("settings", {})),
+        )
+
+
+def display_endpoint(endpoint: str | None) -> str:
+    """The endpoint URL without a user:password part, query or fragment."""
+    if not endpoint:
+        return "the default AWS endpoint"
+    u = urllib.parse.urlsplit(endpoint)
+    host = u.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{host}:{u.port}" if u.port else host
+    return urllib.parse.urlunsplit((u.scheme, netloc, u.path, "", ""))
+
+
+def probe(
+    plan: Plan,
+    settings: ProbeSettings | None = None,
+    *,
+    origin: str | None = None,
+    client_factory: ClientFactory = s3_client,
+) -> ProbeResult:
+    """Probe every region of ``plan`` that has a bucket (or those in ``settings.regions``)."""
+    settings = settings or ProbeSettings()
+    wanted = set(settings.regions)
+    if wanted:
+        for name in wanted:
+            plan.region(name)  # ConfigError naming the plan's regions if unknown
+    cells: list[ProbeCell] = []
+    skipped: list[str] = []
+    for region in plan.regions:
+        if wanted and region.name not in wanted:
+            continue
+        if not region.bucket_name:
+            skipped.append(region.name)
+            continue
+        cells.append(probe_region(region, settings, client_factory))
+    s = asdict(settings)
+    s.pop("default_endpoint")  # may hold a user:password; the cells show each endpoint redacted
+    return ProbeResult(
+        origin=origin or socket.gethostname(),
+        created=datetime.now(UTC).replace(microsecond=0).isoformat(),
+        cells=tuple(cells),
+        skipped=tuple(skipped),
+        settings=s,
+    )
+
+
+def probe_region(region: Region, settings: ProbeSettings, client_factory: ClientFactory = s3_client) -> ProbeCell:
+    target = BucketTarget.of(region, settings.default_endpoint)
+    shown = display_endpoint(target.endpoint)
+    where = f"{target.url()} at {shown}"
+    t0 = time.perf_counter()
+    cell = ProbeCell(region=region.name, url=target.url(), endpoint=shown)
+    try:
+        client = client_factory(target.endpoint, target.profile)
+    except Exception as e:
+        return _with(cell, t0, error=_describe(e, where, region.name))
+    with contextlib.closing(client):
+        try:
+            _check_reachable(client.meta.endpoint_url, settings.connect_timeout)
+        except OSError as e:
+            reason = e.strerror or type(e).__name__
+            return _with(cell, t0, error=f"{where}: cannot connect to {shown}: {reason}")
+        run = _RegionProbe(client, target, settings)
+        try:
+            run.run()
+        except Exception as e:
+            # Keep what was measured before the failure; the error says what did not work.
+            log.debug("probe of %s failed", where, exc_info=True)
+            run.error = _describe(e, where, region.name)
+        finally:
+            run.cleanup()
+    return _with(
+        cell,
+        t0,
+        latency_ms_median=_ms(statistics.median(run.latencies)) if run.latencies else None,
+        latency_ms_p90=_ms(_p90(run.latencies)) if run.latencies else None,
+        latency_samples=len(run.latencies),
+        throughput_mb_s=round(max(run.throughputs) / MB, 2) if run.throughputs else None,
+        throughput_bytes=run.throughput_bytes,
+        throughput_key=run.throughput_key,
+        upload_mb_s=round(run.upload / MB, 2) if run.upload else None,
+        error=run.error,
+    )
+
+
+class _RegionProbe:
+    """The requests of one region's probe; results accumulate so a late failure keeps early numbers."""
+
+    def __init__(self, client: Any, target: BucketTarget, settings: ProbeSettings) -> None:
+        self.client, self.target, self.settings = client, target, settings
+        self.bucket = target.bucket
+        self.latencies: list[float] = []
+        self.throughputs: list[float] = []  # bytes/s
+        self.throughput_bytes = 0
+        self.throughput_key: str | None = None
+        self.upload: float | None = None
+        self.error: str | None = None
+        self._wrote: str | None = None
+
+    def run(self) -> None:
+        c, bucket = self.client, self.bucket
+        c.head_bucket(Bucket=bucket)  # warm-up, and a clear error when the bucket is missing
+        prefix = f"{self.target.prefix}/" if self.target.prefix else ""
+        page = c.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1000)
+        objects = {o["Key"]: int(o["Size"]) for o in page.get("Contents", [])}
+        manifest = self.target.key(MANIFEST)
+        probe_key = self.target.key(PROBE_OBJECT)
+
+        # HEAD and small GET: of the region manifest when there is one (what loaders fetch first).
+        head: Callable[[], object] = (
+            partial(c.head_object, Bucket=bucket, Key=manifest) if manifest in objects else partial(c.head_bucket, Bucket=bucket)
+        )
+        small = manifest if manifest in objects else min(objects, key=lambda k: objects[k], default=None)
+        small_get: Callable[[], object] = (
+            partial(self._get, small, _SMALL_GET)
+            if small is not None
+            else partial(c.list_objects_v2, Bucket=bucket, Prefix=prefix, MaxKeys=1)
+        )
+        for _ in range(self.settings.samples):
+            for request in (head, small_get):
+                t = time.perf_counter()
+                request()
+                self.latencies.append(time.perf_counter() - t)
+
+        largest = max(objects, key=lambda k: objects[k], default=None)
+        if probe_key in objects and self.settings.write:
+            self._wrote = probe_key  # a leftover of an interrupted probe: ours to read and remove
+        if (largest is None or objects[largest] < _MIN_THROUGHPUT_OBJECT) and self.settings.write:
+            data = os.urandom(self.settings.throughput_bytes)  # incompressible, in case anything compresses
+            self._wrote = probe_key
+            t = time.perf_counter()
+            c.put_object(Bucket=bucket, Key=probe_key, Body=data)
+            self.upload = len(data) / (time.perf_counter() - t)
+            largest, objects[probe_key] = probe_key, len(data)
+        if largest is None:
+            log.info("%s: no object to measure throughput with; write=True lets the probe upload one", self.target.url())
+            return
+        self.throughput_key = largest
+        for _ in range(self.settings.throughput_samples):
+            t = time.perf_counter()
+            n = self._get(largest, self.settings.throughput_bytes)
+            self.throughput_bytes = n
+            if n:
+                self.throughputs.append(n / (time.perf_counter() - t))
+
+    def _get(self, key: str, nbytes: int) -> int:
+        body = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{nbytes - 1}")["Body"]
+        n = 0
+        with contextlib.closing(body):
+            while chunk := body.read(1 << 20):
+                n += len(chunk)
+        return n
+
+    def cleanup(self) -> None:
+        if self._wrote is None:
+            return
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._wrote)
+        except Exception as e:
+            # Not fatal for the probe, but a leftover object belongs in the report.
+            log.warning("%s: could not delete the probe object %s (%s)", self.target.url(), self._wrote, type(e).__name__)
+            note = f"probe object s3://{self.bucket}/{self._wrote} left behind"
+            self.error = f"{self.error}; {note}" if self.error else note
+
+
+def _check_reachable(endpoint_url: str, timeout: float) -> None:
+    u = urllib.parse.urlsplit(endpoint_url)
+    port = u.port or (443 if u.scheme == "https" else 80)
+    with socket.create_connection((u.hostname or "", port), timeout=timeout):
+        pass
+
+
+def _describe(e: Exception, where: str, region: str) -> str:
+    """One line naming bucket and endpoint; codes and types only (SDK messages may quote headers)."""
+    from botocore.exceptions import (
+        ClientError,
+        ConnectionClosedError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        NoCredentialsError,
+        ProfileNotFound,
+        ReadTimeoutError,
+    )
+
+    if isinstance(e, ClientError):
+        code = e.response.get("Error", {}).get("Code", "?")
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        hint = {
+            "404": "bucket does not exist",
+            "NoSuchBucket": "bucket does not exist",
+            "403": "access denied; check the credentials for this region",
+            "AccessDenied": "access denied; check the credentials and bucket policy",
+            "InvalidAccessKeyId": "check the credentials for this region",
+            "SignatureDoesNotMatch": "check the secret key for this region",
+        }.get(str(code), "")
+        return f"{where}: {e.operation_name} failed: {code} (HTTP {status})" + (f"; {hint}" if hint else "")
+    if isinstance(e, NoCredentialsError):
+        return f"{where}: no AWS credentials found; set the AWS_* variables or regions.{region}.profile"
+    if isinstance(e, ProfileNotFound):
+        return f"{where}: AWS profile of regions.{region}.profile not found"
+    if isinstance(e, (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError, ConnectionClosedError, OSError)):
+        return f"{where}: lost the connection to the endpoint ({type(e).__name__})"
+    return f"{where}: probe failed ({type(e).__name__})"
+
+
+def _with(cell: ProbeCell, t0: float, **kw: Any) -> ProbeCell:
+    from dataclasses import replace
+
+    return replace(cell, seconds=round(time.perf_counter() - t0, 3), **kw)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 2)
+
+
+def _p90(xs: Sequence[float]) -> float:
+    """Nearest-rank 90th percentile: a time that was actually measured."""
+    s = sorted(xs)
+    return s[max(0, math.ceil(0.9 * len(s)) - 1)]
+
+
+# -- rendering -------------------------------------------------------------------------------
+
+
+def _rows(results: ProbeResult | Iterable[ProbeResult]) -> list[ProbeResult]:
+    return [results] if isinstance(results, ProbeResult) else list(results)
+
+
+def _columns(rows: Sequence[ProbeResult]) -> list[str]:
+    cols: list[str] = []
+    for r in rows:
+        cols.extend(n for n in r.regions if n not in cols)
+    return cols
+
+
+def _find(row: ProbeResult, region: str) -> ProbeCell | None:
+    try:
+        return row.cell(region)
+    except KeyError:
+        return None
+
+
+def _cell_text(c: ProbeCell | None) -> str:
+    if c is None:
+        return "-"
+    if c.latency_ms_median is None:
+        return "error"
+    text = f"{c.latency_ms_median:.1f}/{c.latency_ms_p90:.1f} ms"
+    if c.throughput_mb_s is not None:
+        text += f", {c.throughput_mb_s:.1f} MB/s"
+    return text + (" (!)" if c.error else "")
+
+
+def render_text(results: ProbeResult | Iterable[ProbeResult]) -> str:
+    """The matrix as text: a row per host, a column per region; errors listed below."""
+    rows = _rows(results)
+    cols = _columns(rows)
+    table = [["from \\ to", *cols]] + [[r.origin, *(_cell_text(_find(r, c)) for c in cols)] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    out = ["latency median/p90 ms, GET throughput MB/s"]
+    out += ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in table]
+    errors = [(r.origin, c) for r in rows for c in r.cells if c.error]
+    if errors:
+        out.append("errors:")
+        out += [f"  {origin} -> {c.region}: {c.error}" for origin, c in errors]
+    skipped = sorted({s for r in rows for s in r.skipped})
+    if skipped:
+        out.append(f"not probed (no bucket): {', '.join(skipped)}")
+    return "\n".join(out)
+
+
+def render_heatmap(results: ProbeResult | Iterable[ProbeResult], path: str | Path, *, title: str | None = None) -> Path:
+    """Write a PNG heatmap of median latency (log colour scale), host rows by region columns.
+
+    Each cell is annotated with median and p90 latency and GET throughput; failed regions are
+    grey and say "error". Uses matplotlib's object API with the Agg canvas directly, so neither
+    pyplot's global figure state nor the process-wide backend is touched.
+    """
+    import matplotlib as mpl
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import LogNorm, Normalize
+    from matplotlib.figure import Figure
+
+    rows = _rows(results)
+    if not rows:
+        raise ValueError("render_heatmap needs at least one probe result")
+    cols = _columns(rows)
+    grid = [[_find(r, c) for c in cols] for r in rows]
+    values = np.array(
+        [[c.latency_ms_median if c and c.latency_ms_median is not None else np.nan for c in line] for line in grid], dtype=float
+    )
+    masked = np.ma.masked_invalid(values)
+    finite = values[np.isfinite(values)]
+    if finite.size:
+        lo = max(float(finite.min()) * 0.8, 0.1)
+        hi = max(float(finite.max()) * 1.25, lo * 2)
+        norm: Normalize = LogNorm(vmin=lo, vmax=hi)
+    else:
+        norm = Normalize(vmin=0.0, vmax=1.0)
+    cmap = mpl.colormaps["YlOrRd"].with_extremes(bad="#d0d0d0")
+
+    fig = Figure(figsize=(2.0 + 2.0 * max(len(cols), 1), 1.8 + 0.9 * len(rows)), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    image = ax.imshow(masked, cmap=cmap, norm=norm, aspect="auto")
+    ax.set_xticks(range(len(cols)), labels=cols)
+    ax.set_yticks(range(len(rows)), labels=[r.origin for r in rows])
+    ax.set_xlabel("region bucket")
+    ax.set_ylabel("from host")
+    ax.tick_params(top=True, labeltop=True, bottom=False, labelbottom=False)
+    ax.xaxis.set_label_position("top")
+    for i, line in enumerate(grid):
+        for j, c in enumerate(line):
+            if c is None:
+                text, dark = "-", False
+            elif c.latency_ms_median is None:
+                text, dark = "error", False
+            else:
+                text = f"{c.latency_ms_median:.1f} ms\np90 {c.latency_ms_p90:.1f}"
+                if c.throughput_mb_s is not None:
+                    text += f"\n{c.throughput_mb_s:.1f} MB/s"
+                dark = norm(c.latency_ms_median) > 0.6
+            ax.text(j, i, text, ha="center", va="center", fontsize=9, color="white" if dark else "black")
+    fig.colorbar(image, ax=ax, label="median latency (ms)")
+    ax.set_title(title or "geoshard probe: latency from host to region buckets", fontsize=10)
+    out = Path(path)
+    fig.savefig(out, format="png")
+    return out
