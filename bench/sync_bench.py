@@ -158,7 +158,8 @@ def main() -> int:
                 print(
                     f"{name}: "
                     + ", ".join(f"{k} {v:.2f} s ({total / v / 1e6:.0f} MB/s)" for k, v in med.items())
-                    + f"; sync/s5cmd {results['sets'][name]['sync_vs_s5cmd']:.2f}x; boto3/sync {results['sets'][name]['boto3_vs_sync']:.1f}x"
+                    + f"; sync/s5cmd {med['geoshard sync'] / med['s5cmd cp']:.2f}x"
+                    + f"; boto3/sync {med['boto3 loop'] / med['geoshard sync']:.1f}x"
                 )
             # No-op re-sync of a 10,000-shard region: upload once directly, then re-sync through the link.
             n = 1000 if args.small else 10_000
