@@ -185,28 +185,28 @@ def refresh(
 
 @click.command()
 @plan_option
-@click.option(
-    "--png",
-    "png",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=Path("probe.png"),
-    show_default=True,
-    help="Where to write the latency heatmap.",
-)
+@click.option("--region", "regions", multiple=True, help="Only this region (repeatable).")
+@click.option("--png", type=click.Path(dir_okay=False, path_type=Path), default=Path("probe.png"), show_default=True, help="Heatmap file.")
+@click.option("--samples", type=click.IntRange(min=1), default=5, show_default=True, help="Small requests per region.")
+@click.option("--write", is_flag=True, help="Allow a 4 MB probe object in empty prefixes (deleted afterwards).")
 @click.option("--endpoint", help="S3 endpoint for regions without one in the plan.")
 @click.option("--json", "as_json", is_flag=True)
-def probe(plan_path: Path, png: Path, endpoint: str | None, as_json: bool) -> None:
+def probe(plan_path: Path, regions: tuple[str, ...], png: Path, samples: int, write: bool, endpoint: str | None, as_json: bool) -> None:
     """Latency and throughput from this machine to every region's bucket, with a heatmap."""
-    from geoshard.sync import probe as probing
+    from geoshard.sync.probe import ProbeSettings, render_heatmap, render_text
+    from geoshard.sync.probe import probe as run_probe
 
     plan = load_plan(plan_path)
-    result = probing.run_probe(plan, default_endpoint=s3_access(None, endpoint).default_endpoint)
-    probing.render_heatmap(result, png)
+    settings = ProbeSettings(regions=regions, samples=samples, write=write, default_endpoint=s3_access(None, endpoint).default_endpoint)
+    result = run_probe(plan, settings)
+    render_heatmap(result, png)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1))
     else:
-        click.echo(probing.render_text(result))
+        click.echo(render_text(result))
         click.echo(f"heatmap: {png}")
+    if not all(c.ok for c in result.cells):
+        sys.exit(1)
 
 
 COMMANDS = (sync, pull, refresh, probe)

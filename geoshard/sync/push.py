@@ -162,8 +162,8 @@ def sync_region(
             f.result()
     rr.published = True
     if settings.delete:
-        stale = _unreferenced(bucket, after, local, settings.keep_generations, dry_run=False)
-        rr.deleted = bucket.delete(stale)
+        unreferenced = _unreferenced(bucket, after, local, settings.keep_generations, dry_run=False)
+        rr.deleted = bucket.delete(unreferenced)
 
 
 def _same_size(obj: RemoteObject | None, size: int) -> bool:
