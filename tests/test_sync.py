@@ -239,3 +239,23 @@ def test_server_killed_mid_sync_keeps_previous_generation_and_rerun_uploads_only
         assert doc["regions"]["us-east-1"]["published"]
         assert present > 0 and doc["regions"]["us-east-1"]["uploaded"] <= total - present + 1  # +1: an object cut mid-upload
         assert remote_manifest(server, buckets["us-east-1"])["generation"] == 2  # type: ignore[index]
+
+
+def test_profile_per_region_reaches_boto3_and_s5cmd(tmp_path: Path, s3: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No keys in the environment: each region's `profile` names them in a shared credentials file."""
+    creds = tmp_path / "credentials"
+    creds.write_text(f"[use1]\naws_access_key_id = {s3.access_key}\naws_secret_access_key = {s3.secret_key}\n")
+    for k, v in s3.env(endpoint=False).items():
+        monkeypatch.setenv(k, v)
+    for k in (*SeaweedS3.UNSET_ENV, "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    plan, buckets = sync_plan(tmp_path / "plan.toml", s3, "prof")
+    s3.make_bucket(buckets["us-east-1"])
+    out = make_split(tmp_path, plan, samples=100)
+    plan.write_text(plan.read_text().replace("[regions.us-east-1]\n", '[regions.us-east-1]\nprofile = "use1"\n'))
+    r = cli("sync", out, "--plan", plan, "--region", "us-east-1", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["regions"]["us-east-1"]["published"]
+    r = cli("sync", out, "--plan", plan, "--region", "eu-west-1")  # no profile and no keys: a clear error
+    assert r.exit_code == 1 and "credentials" in r.stderr and s3.secret_key not in r.output
