@@ -202,8 +202,8 @@ class NetProxy:
         except BaseException:
             self.stop()
             raise
-        log.info("netproxy %s -> %s:%d, %.1f ms each way, cap %s", self.address, self.target_host, self.target_port,
-                 self.latency_s * 1e3, f"{self.rate:.0f} B/s" if self.rate else "none")  # fmt: skip
+        cap = f"{self.rate:.0f} B/s" if self.rate else "none"
+        log.info("%s -> %s:%d, %.1f ms each way, cap %s", self.address, self.target_host, self.target_port, self.latency_s * 1e3, cap)
         return self
 
     def stop(self) -> None:
@@ -266,6 +266,10 @@ class NetProxy:
             await asyncio.sleep(0)
 
     async def _handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
+        if self._server is None:
+            # Accepted just before cut() closed the listener: the link is down, drop it too.
+            cwriter.transport.abort()
+            return
         conn = _Conn(cwriter)
         conn.task = asyncio.current_task()
         self._conns.add(conn)
@@ -358,9 +362,10 @@ class NetProxy:
                     return
                 if dst.transport.is_closing():
                     raise ConnectionResetError("peer closed")
-                dst.write(data)
-                d.inflight -= len(data)
+                # Count first: the peer may read the bytes (and stats()) before the next line runs.
                 self._bytes[idx] += len(data)
+                d.inflight -= len(data)
+                dst.write(data)
             d.space.set()
             await dst.drain()
 
@@ -373,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate-mbps", type=float, default=None, help="cap per direction in Mbit/s (10**6 bit/s), shared by all connections")
     ap.add_argument("--window-mb", type=float, default=DEFAULT_WINDOW / 2**20, help="in-flight MiB per direction per connection")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     try:
         lhost, lport = parse_hostport(args.listen)
         thost, tport = parse_hostport(args.target)

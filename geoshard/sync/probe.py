@@ -193,7 +193,7 @@ def probe_region(region: Region, settings: ProbeSettings, client_factory: Client
             _check_reachable(client.meta.endpoint_url, settings.connect_timeout)
         except OSError as e:
             reason = e.strerror or type(e).__name__
-            return _with(cell, t0, error=f"{where}: cannot connect to {shown}: {reason}")
+            return _with(cell, t0, error=f"{where}: cannot connect: {reason}")
         run = _RegionProbe(client, target, settings)
         try:
             run.run()
@@ -236,7 +236,8 @@ class _RegionProbe:
         c.head_bucket(Bucket=bucket)  # warm-up, and a clear error when the bucket is missing
         prefix = f"{self.target.prefix}/" if self.target.prefix else ""
         page = c.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1000)
-        objects = {o["Key"]: int(o["Size"]) for o in page.get("Contents", [])}
+        # Empty objects (folder markers) cannot serve a ranged GET (416), so they do not count.
+        objects = {o["Key"]: int(o["Size"]) for o in page.get("Contents", []) if int(o["Size"]) > 0}
         manifest = self.target.key(MANIFEST)
         probe_key = self.target.key(PROBE_OBJECT)
 
@@ -327,7 +328,8 @@ def _describe(e: Exception, where: str, region: str) -> str:
             "InvalidAccessKeyId": "check the credentials for this region",
             "SignatureDoesNotMatch": "check the secret key for this region",
         }.get(str(code), "")
-        return f"{where}: {e.operation_name} failed: {code} (HTTP {status})" + (f"; {hint}" if hint else "")
+        http = f" (HTTP {status})" if status and str(status) != str(code) else ""
+        return f"{where}: {e.operation_name} failed: {code}{http}" + (f"; {hint}" if hint else "")
     if isinstance(e, NoCredentialsError):
         return f"{where}: no AWS credentials found; set the AWS_* variables or regions.{region}.profile"
     if isinstance(e, ProfileNotFound):
