@@ -139,7 +139,8 @@ def s3_client(endpoint: str | None, profile: str | None) -> Any:
     return session.client(
         "s3",
         endpoint_url=endpoint,
-        config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=60),
+        # A pool as wide as the parallel listings and checks sync issues on long links.
+        config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=60, max_pool_connections=32),
     )
 
 

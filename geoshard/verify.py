@@ -20,14 +20,21 @@ class VerifyReport:
         return not self.missing and not self.mismatched
 
 
-def sha256_file(path: Path) -> tuple[str, int]:
-    h = hashlib.sha256()
+def file_digests(path: Path, *algorithms: str) -> tuple[dict[str, str], int]:
+    """Hex digests of a file in one pass, and its size."""
+    hashes = {a: hashlib.new(a, usedforsecurity=False) if a == "md5" else hashlib.new(a) for a in algorithms}
     n = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
-            h.update(chunk)
+            for h in hashes.values():
+                h.update(chunk)
             n += len(chunk)
-    return h.hexdigest(), n
+    return {a: h.hexdigest() for a, h in hashes.items()}, n
+
+
+def sha256_file(path: Path) -> tuple[str, int]:
+    digests, n = file_digests(path, "sha256")
+    return digests["sha256"], n
 
 
 def verify_region(rdir: Path, rm: RegionManifest, report: VerifyReport) -> None:
@@ -59,4 +66,4 @@ def load_regions(directory: Path) -> dict[str, RegionManifest]:
     return {name: read_region_manifest(directory / s.manifest) for name, s in m.regions.items()}
 
 
-__all__ = ["MANIFEST", "VerifyReport", "load_regions", "sha256_file", "verify_region", "verify_split"]
+__all__ = ["MANIFEST", "VerifyReport", "file_digests", "load_regions", "sha256_file", "verify_region", "verify_split"]

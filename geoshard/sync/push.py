@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from geoshard.errors import DataError, GeoshardError, SyncError
-from geoshard.manifest import RegionManifest, parse_region_manifest, read_manifest, read_region_manifest
+from geoshard.manifest import RegionManifest, ShardEntry, parse_region_manifest, read_manifest, read_region_manifest
 from geoshard.plan import Plan
 from geoshard.retry import Backoff
 from geoshard.sync.remote import HISTORY, MANIFEST, Bucket, BucketTarget, MissingBucket, RemoteObject
 from geoshard.sync.transfer import Transfer, Transferer
-from geoshard.sync.verify_local import LocalShard, check_local
+from geoshard.sync.verify_local import check_local, md5_of
 
 log = logging.getLogger(__name__)
 ProgressFn = Callable[[dict[str, int]], None]
@@ -114,10 +114,12 @@ def sync_region(
 ) -> None:
     bucket = bucket or Bucket(target)
     started = datetime.now(UTC)
+    t0 = time.monotonic()
     rr.generation = local.generation
     # Long links make round trips the fixed cost of a sync: the opening requests go out together.
     with ThreadPoolExecutor(max_workers=3) as pool:
-        f_listing = pool.submit(bucket.list)
+        hints = [sh.path for sh in local.shards]
+        f_listing = pool.submit(bucket.listing, hints)
         f_manifest = pool.submit(bucket.get, MANIFEST)
         f_stale = pool.submit(lambda: list(bucket.stale_multipart_uploads(before=started)))
         try:
@@ -131,29 +133,46 @@ def sync_region(
         for key, upload_id in stale:  # left by an interrupted run
             bucket.abort_multipart(key, upload_id)
             rr.aborted_uploads += 1
+    log.info("%s: listed %d objects in %.2f s", target.region, len(listing), time.monotonic() - t0)
     remote = parse_region_manifest(remote_data, target.url(MANIFEST)) if remote_data else None
     published = {s.path: s.sha256 for s in remote.shards} if remote else {}
 
     # Shards the bucket's manifest already names, present with the right size, need no local read.
     todo = [s for s in local.shards if not (published.get(s.path) == s.sha256 and _same_size(listing.get(s.path), s.bytes))]
     rr.skipped = len(local.shards) - len(todo)
-    with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:  # hashlib releases the GIL
-        checked = list(pool.map(lambda s: check_local(s, root / s.path, target.region), todo))  # all before any upload
-    # Objects an interrupted run already uploaded (content-addressed names) are kept, not re-sent.
-    uploads = [c for c in checked if not _matches(listing.get(c.entry.path), c)]
-    rr.skipped += len(checked) - len(uploads)
+    cpus = len(os.sched_getaffinity(0))
+    with ThreadPoolExecutor(max_workers=cpus) as pool:  # hashlib releases the GIL
+        list(pool.map(lambda s: check_local(s, root / s.path, target.region), todo))  # every one before any upload
+        # Objects an interrupted run already uploaded under their content-addressed names are kept.
+        present = [s for s in todo if _same_size(listing.get(s.path), s.bytes)]
+        md5 = dict(zip((s.path for s in present), pool.map(lambda s: md5_of(root / s.path), present), strict=True))
+    uploads = [s for s in todo if not (s.path in md5 and _etag_ok(listing[s.path], md5[s.path]))]
+    rr.skipped += len(todo) - len(uploads)
+    log.info(
+        "%s: %d of %d shards to upload, verified locally at %.2f s", target.region, len(uploads), len(local.shards), time.monotonic() - t0
+    )
+    if not uploads and remote_data == local.to_json():
+        rr.published = True  # already the bucket's manifest, and every shard it names is there
+        log.info("%s: nothing to do (%.2f s)", target.region, time.monotonic() - t0)
+        if settings.delete and not settings.dry_run:
+            rr.deleted = bucket.delete(_unreferenced(bucket, listing, local, settings.keep_generations, dry_run=False))
+        return
     if settings.dry_run:
         rr.uploaded = len(uploads)
-        rr.bytes_uploaded = sum(c.entry.bytes for c in uploads)
+        rr.bytes_uploaded = sum(s.bytes for s in uploads)
         rr.deleted = len(_unreferenced(bucket, listing, local, settings.keep_generations, dry_run=True)) if settings.delete else 0
         return
-    _upload(uploads, target, transferer, settings.backoff, rr, progress)
+    # The MD5s that check the uploads are computed while s5cmd runs: the upload is latency-bound.
+    with ThreadPoolExecutor(max_workers=cpus) as pool:
+        pending = {s.path: pool.submit(md5_of, root / s.path) for s in uploads}
+        _upload(uploads, root, target, transferer, settings.backoff, rr, progress)
+        md5.update({p: f.result() for p, f in pending.items()})
 
-    after = bucket.list()
-    by_path = {c.entry.path: c for c in checked}
+    log.info("%s: uploads done at %.2f s", target.region, time.monotonic() - t0)
+    after = bucket.listing(hints) if uploads else listing
     for s in local.shards:
         obj = after.get(s.path)
-        if obj is None or obj.size != s.bytes or (s.path in by_path and not _matches(obj, by_path[s.path])):
+        if obj is None or obj.size != s.bytes or (s.path in md5 and not _etag_ok(obj, md5[s.path])):
             raise SyncError(f"{target.url(s.path)}: missing or wrong after upload (size or ETag differs); manifest not published")
     data = local.to_json()
     # Readers only open manifest.json; the history copy is for --delete's generation bookkeeping.
@@ -161,6 +180,7 @@ def sync_region(
         for f in [pool.submit(bucket.put, f"{HISTORY}/{local.generation:08d}.json", data), pool.submit(bucket.put, MANIFEST, data)]:
             f.result()
     rr.published = True
+    log.info("%s: generation %d published at %.2f s", target.region, local.generation, time.monotonic() - t0)
     if settings.delete:
         unreferenced = _unreferenced(bucket, after, local, settings.keep_generations, dry_run=False)
         rr.deleted = bucket.delete(unreferenced)
@@ -170,29 +190,30 @@ def _same_size(obj: RemoteObject | None, size: int) -> bool:
     return obj is not None and obj.size == size
 
 
-def _matches(obj: RemoteObject | None, shard: LocalShard) -> bool:
-    """Size, and the MD5 ETag where the object was a single-part upload (multipart ETags contain '-')."""
-    return obj is not None and obj.size == shard.entry.bytes and ("-" in obj.etag or obj.etag == shard.md5)
+def _etag_ok(obj: RemoteObject, md5: str) -> bool:
+    """The MD5 ETag of a single-part upload must match; multipart ETags (with '-') are not an MD5."""
+    return "-" in obj.etag or obj.etag == md5
 
 
 def _upload(
-    uploads: Sequence[LocalShard],
+    uploads: Sequence[ShardEntry],
+    root: Path,
     target: BucketTarget,
     transferer: Transferer,
     backoff: Backoff,
     rr: RegionReport,
     progress: ProgressFn | None,
 ) -> None:
-    pending = {target.url(c.entry.path): c for c in uploads}
+    pending = {target.url(s.path): s for s in uploads}
     delays = backoff.delays()
     while pending:
-        batch = [Transfer(str(c.path), url, c.entry.bytes) for url, c in pending.items()]
+        batch = [Transfer(str(root / s.path), url, s.bytes) for url, s in pending.items()]
         failures = transferer.upload(batch, target, progress)
         for url in list(pending):
             if url not in failures:
-                c = pending.pop(url)
+                s = pending.pop(url)
                 rr.uploaded += 1
-                rr.bytes_uploaded += c.entry.bytes
+                rr.bytes_uploaded += s.bytes
         if not pending:
             return
         delay = next(delays, None)
