@@ -110,6 +110,7 @@ def main() -> int:
     ap.add_argument("--data", type=Path, default=ROOT / "bench" / "_data" / "sync")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--latency-ms", type=float, default=75.0)
+    ap.add_argument("--boto3-repeat", type=int, default=1, help="runs of the (slow) boto3 loop per set")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--json-out", type=Path, default=ROOT / "bench" / "_data" / "sync_bench.json")
     args = ap.parse_args()
@@ -136,6 +137,8 @@ def main() -> int:
                     runs["s5cmd cp"].append(
                         timed([s5, "--endpoint-url", link, "--numworkers", "64", "cp", glob, f"s3://{bucket}/{prefix}/raw/"], env)
                     )
+                    if rep >= args.boto3_repeat:
+                        continue
                     out = subprocess.run(
                         [sys.executable, "-c", BOTO_LOOP, link, bucket, f"{prefix}/boto", str(folder / REGION)],
                         check=True,

@@ -213,3 +213,27 @@ def test_heatmap_of_several_hosts_without_global_matplotlib_state(tmp_path: Path
     text = render_text([eu, us])
     assert text.splitlines()[1].split()[:3] == ["from", "\\", "to"]
     assert "host-us -> eu: x" in text
+
+
+def test_probe_cli_prints_the_matrix_writes_the_png_and_fails_on_a_dead_region(
+    s3: SeaweedS3, data: str, aws_env: None, tmp_path: Path
+) -> None:
+    from click.testing import CliRunner
+
+    from geoshard.cli import main
+
+    plan = tmp_path / "plan.toml"
+    dead = f"http://127.0.0.1:{closed_port()}"
+    plan.write_text(
+        f'[regions.near]\nweight = 1\nbucket = "{data}"\nendpoint = "{s3.endpoint}"\n'
+        f'[regions.gone]\nweight = 1\nbucket = "{data}"\nendpoint = "{dead}"\n'
+    )
+    r = CliRunner().invoke(main, ["probe", "--plan", str(plan), "--png", str(tmp_path / "m.png"), "--json"])
+    assert r.exit_code == 1, r.output  # one region is down
+    doc = json.loads(r.stdout)
+    cells = {c["region"]: c for c in doc["cells"]}
+    assert cells["near"]["latency_ms_median"] > 0 and cells["near"]["error"] is None
+    assert dead in cells["gone"]["error"]
+    assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = CliRunner().invoke(main, ["probe", "--plan", str(plan), "--region", "near", "--png", str(tmp_path / "n.png")])
+    assert text.exit_code == 0 and "near" in text.stdout and "heatmap:" in text.stdout
