@@ -66,7 +66,7 @@ def split(
     as_json: bool,
 ) -> None:
     """Re-shard SOURCE... by region following --plan into --out."""
-    from geoshard.cli_progress import SplitProgress, split_table
+    from geoshard.cli_progress import split_progress, split_table
     from geoshard.split import SplitSettings, run_split
 
     quiet_dask()
@@ -80,7 +80,7 @@ def split(
         replace=replace,
         created=created_time(),
     )
-    with SplitProgress(enabled=not as_json) as progress:
+    with split_progress(enabled=not as_json) as progress:
         result = run_split(list(sources), plan, settings, progress=progress.update)
     if as_json:
         click.echo(
@@ -175,12 +175,12 @@ def synth(out: Path, fmt: str, samples: int, sample_bytes: int, shard_samples: i
 @click.option("--workers", type=click.IntRange(min=1), help="Dask workers (default: one per core).")
 def demo(out: Path, samples: int, workers: int | None) -> None:
     """Synthesize a corpus and split it for an embedded three-region plan."""
-    from geoshard.cli_progress import SplitProgress, split_table
+    from geoshard.cli_progress import split_progress, split_table
     from geoshard.demo import DemoSettings, run_demo
 
     quiet_dask()
     click.echo(f"geoshard demo: {samples:,} synthetic samples -> three regions under {out}/")
-    with SplitProgress() as progress:
+    with split_progress() as progress:
         plan, result = run_demo(DemoSettings(out=out, samples=samples, workers=workers), progress=progress.update)
     split_table(result)
     click.echo(f"plan: {plan.path}   split: {out / 'split'}   next: geoshard verify {out / 'split'}")

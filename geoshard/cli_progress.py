@@ -18,38 +18,60 @@ if TYPE_CHECKING:
     from geoshard.split import SplitResult
 
 
-class SplitProgress:
-    """Counts samples, MB and shards from the workers' events; draws only on a terminal."""
+class CounterProgress:
+    """A live line of counters summed from events (dicts of increments); draws only on a terminal.
 
-    def __init__(self, enabled: bool = True) -> None:
+    ``template`` formats the totals, plus ``mb`` (bytes / 1e6) and ``rate`` (MB/s so far).
+    """
+
+    def __init__(self, label: str, counters: tuple[str, ...], template: str, enabled: bool = True) -> None:
         console = Console(stderr=True)
         self.enabled = enabled and console.is_terminal
         self.lock = threading.Lock()
-        self.samples = self.bytes = self.shards = 0
+        self.totals = dict.fromkeys((*counters, "bytes"), 0)
+        self.started = time.monotonic()
         self.bar = Progress(
-            TextColumn("[bold]split"),
+            TextColumn(f"[bold]{label}"),
             BarColumn(bar_width=None),
-            TextColumn("{task.fields[samples]:,} samples  {task.fields[mb]:.1f} MB  {task.fields[shards]} shards"),
+            TextColumn(template),
             TimeElapsedColumn(),
             console=console,
             disable=not self.enabled,
             transient=True,
         )
-        self.task = self.bar.add_task("split", total=None, samples=0, mb=0.0, shards=0)
+        self.task = self.bar.add_task(label, total=None, **self._fields())
+
+    def _fields(self) -> dict[str, Any]:
+        mb = self.totals["bytes"] / 1e6
+        return {**self.totals, "mb": mb, "rate": mb / max(time.monotonic() - self.started, 1e-6)}
 
     def update(self, event: dict[str, int]) -> None:
         with self.lock:
-            self.samples += event.get("samples", 0)
-            self.bytes += event.get("bytes", 0)
-            self.shards += event.get("shards", 0)
-            self.bar.update(self.task, samples=self.samples, mb=self.bytes / 1e6, shards=self.shards)
+            for k, v in event.items():
+                if k in self.totals:
+                    self.totals[k] += v
+            self.bar.update(self.task, **self._fields())
 
-    def __enter__(self) -> SplitProgress:
+    def __enter__(self) -> CounterProgress:
         self.bar.__enter__()
         return self
 
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.bar.__exit__(t, e, tb)
+
+
+def split_progress(enabled: bool = True) -> CounterProgress:
+    """Samples, MB and shards of a split, from the workers' events."""
+    return CounterProgress(
+        "split", ("samples", "shards"), "{task.fields[samples]:,} samples  {task.fields[mb]:.1f} MB  {task.fields[shards]} shards", enabled
+    )
+
+
+def transfer_progress(enabled: bool = True) -> CounterProgress:
+    """Objects, MB and MB/s of s5cmd transfers as batches complete."""
+    return CounterProgress(
+        "transfer", ("objects",), "{task.fields[objects]:,} objects  {task.fields[mb]:.1f} MB  {task.fields[rate]:.1f} MB/s", enabled
+    )
 
 
 def regions_table(m: Manifest, title: str) -> None:
@@ -70,41 +92,6 @@ def split_table(result: SplitResult) -> None:
         f"{result.samples_in:,} samples, {human_bytes(result.bytes_in)} in {result.seconds:.1f} s "
         f"({rate:,.0f} samples/s, {result.bytes_in / 1e6 / max(result.seconds, 1e-9):.0f} MB/s)"
     )
-
-
-class TransferProgress:
-    """Objects, bytes and rate of s5cmd transfers as they complete; draws only on a terminal."""
-
-    def __init__(self, enabled: bool = True) -> None:
-        console = Console(stderr=True)
-        self.enabled = enabled and console.is_terminal
-        self.lock = threading.Lock()
-        self.objects = self.bytes = 0
-        self.started = time.monotonic()
-        self.bar = Progress(
-            TextColumn("[bold]transfer"),
-            BarColumn(bar_width=None),
-            TextColumn("{task.fields[objects]:,} objects  {task.fields[mb]:.1f} MB  {task.fields[rate]:.1f} MB/s"),
-            TimeElapsedColumn(),
-            console=console,
-            disable=not self.enabled,
-            transient=True,
-        )
-        self.task = self.bar.add_task("transfer", total=None, objects=0, mb=0.0, rate=0.0)
-
-    def update(self, event: dict[str, int]) -> None:
-        with self.lock:
-            self.objects += event.get("objects", 0)
-            self.bytes += event.get("bytes", 0)
-            rate = self.bytes / 1e6 / max(time.monotonic() - self.started, 1e-6)
-            self.bar.update(self.task, objects=self.objects, mb=self.bytes / 1e6, rate=rate)
-
-    def __enter__(self) -> TransferProgress:
-        self.bar.__enter__()
-        return self
-
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        self.bar.__exit__(t, e, tb)
 
 
 def sync_table(report: dict[str, Any]) -> None:

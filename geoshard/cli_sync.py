@@ -83,12 +83,12 @@ def sync(
     as_json: bool,
 ) -> None:
     """Publish each region's shards of the split in DIRECTORY to its bucket."""
-    from geoshard.cli_progress import TransferProgress
+    from geoshard.cli_progress import transfer_progress
     from geoshard.sync.push import sync as run_sync
 
     plan = load_plan(plan_path)
     settings = _sync_settings(regions, dry_run, delete, keep_generations, workers, retries, create_buckets, endpoint)
-    with TransferProgress(enabled=not as_json) as progress:
+    with transfer_progress(enabled=not as_json) as progress:
         report = run_sync(directory, plan, settings, progress=progress.update)
     _print_sync(report.to_dict(), as_json)
     if not report.ok:
@@ -107,14 +107,14 @@ def sync(
 @click.option("--json", "as_json", is_flag=True)
 def pull(plan_path: Path, region: str, to: Path, workers: int, endpoint: str | None, as_json: bool) -> None:
     """Fill a local replica of a region from its bucket; every shard verified by sha256."""
-    from geoshard.cli_progress import TransferProgress
+    from geoshard.cli_progress import transfer_progress
     from geoshard.sync.pull import PullSettings
     from geoshard.sync.pull import pull as run_pull
     from geoshard.sync.remote import BucketTarget
 
     plan = load_plan(plan_path)
     target = BucketTarget.of(plan.region(region), s3_access(None, endpoint).default_endpoint)
-    with TransferProgress(enabled=not as_json) as progress:
+    with transfer_progress(enabled=not as_json) as progress:
         report = run_pull(target, PullSettings(to=to, workers=workers), progress=progress.update)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=1))

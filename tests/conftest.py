@@ -19,3 +19,14 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
         yield server.start()
     finally:
         server.stop()
+
+
+@pytest.fixture
+def aws(s3: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> Iterator[SeaweedS3]:
+    """The session server's credentials in this process's environment (s5cmd and Dask workers
+    inherit it); no default endpoint, so plans and options must name theirs."""
+    for k, v in s3.env(endpoint=False).items():
+        monkeypatch.setenv(k, v)
+    for k in (*SeaweedS3.UNSET_ENV, "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(k, raising=False)
+    yield s3

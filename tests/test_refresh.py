@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,15 +18,6 @@ from synckit import cli, objects, remote_manifest, sync_plan
 from geoshard.formats import wds
 from geoshard.manifest import read_region_manifest
 from geoshard.sync.refresh import LOCK, refresh_lock
-
-
-@pytest.fixture
-def aws(s3: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> Iterator[SeaweedS3]:
-    for k, v in s3.env(endpoint=False).items():
-        monkeypatch.setenv(k, v)
-    for k in (*SeaweedS3.UNSET_ENV, "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
-        monkeypatch.delenv(k, raising=False)
-    yield s3
 
 
 def _source(path: Path, prefix: str, n: int, size: int = 300) -> None:

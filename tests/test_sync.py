@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,16 +12,6 @@ from servers import SeaweedS3, closed_port
 from synckit import cli, make_split, objects, remote_manifest, sync_plan
 
 from geoshard.manifest import read_region_manifest
-
-
-@pytest.fixture
-def aws(s3: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> Iterator[SeaweedS3]:
-    """Credentials for the session's SeaweedFS in this process's environment (s5cmd inherits it)."""
-    for k, v in s3.env(endpoint=False).items():
-        monkeypatch.setenv(k, v)
-    for k in (*SeaweedS3.UNSET_ENV, "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
-        monkeypatch.delenv(k, raising=False)
-    yield s3
 
 
 def _create(server: SeaweedS3, buckets: dict[str, str]) -> None:
