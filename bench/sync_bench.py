@@ -148,7 +148,7 @@ def main() -> int:
                         timeout=3600,
                     ).stdout
                     runs["boto3 loop"].append(float(out.strip()))
-                med = {k: statistics.median(v) for k, v in runs.items()}
+                med = {k: statistics.median(v) for k, v in runs.items() if v}
                 total = count * size
                 results["sets"][name] = {
                     "objects": count,
@@ -156,13 +156,13 @@ def main() -> int:
                     "runs": runs,
                     "median_s": med,
                     "sync_vs_s5cmd": med["geoshard sync"] / med["s5cmd cp"],
-                    "boto3_vs_sync": med["boto3 loop"] / med["geoshard sync"],
+                    "boto3_vs_sync": med["boto3 loop"] / med["geoshard sync"] if "boto3 loop" in med else None,
                 }
                 print(
                     f"{name}: "
                     + ", ".join(f"{k} {v:.2f} s ({total / v / 1e6:.0f} MB/s)" for k, v in med.items())
                     + f"; sync/s5cmd {med['geoshard sync'] / med['s5cmd cp']:.2f}x"
-                    + f"; boto3/sync {med['boto3 loop'] / med['geoshard sync']:.1f}x"
+                    + (f"; boto3/sync {med['boto3 loop'] / med['geoshard sync']:.1f}x" if "boto3 loop" in med else "")
                 )
             # No-op re-sync of a 10,000-shard region: upload once directly, then re-sync through the link.
             n = 1000 if args.small else 10_000

@@ -30,6 +30,9 @@ from geoshard.sync.verify_local import check_local, md5_of
 
 log = logging.getLogger(__name__)
 ProgressFn = Callable[[dict[str, int]], None]
+# s5cmd uploads objects up to its part size (50 MiB) in one PUT, whose ETag is the MD5 of the bytes;
+# larger ones go multipart, whose ETag is not an MD5 of the object, so only their size is checked.
+SINGLE_PART_MAX = 50 * 2**20
 
 
 @dataclass(frozen=True)
@@ -162,23 +165,25 @@ def sync_region(
         rr.bytes_uploaded = sum(s.bytes for s in uploads)
         rr.deleted = len(_unreferenced(bucket, listing, local, settings.keep_generations, dry_run=True)) if settings.delete else 0
         return
-    # The MD5s that check the uploads are computed while s5cmd runs: the upload is latency-bound.
-    with ThreadPoolExecutor(max_workers=cpus) as pool:
-        pending = {s.path: pool.submit(md5_of, root / s.path) for s in uploads}
+    data = local.to_json()
+    # The MD5s that check the uploads are computed while s5cmd runs (one thread: the upload is
+    # latency-bound, and s5cmd needs the other core).
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = {s.path: pool.submit(md5_of, root / s.path) for s in uploads if s.bytes <= SINGLE_PART_MAX}
         _upload(uploads, root, target, transferer, settings.backoff, rr, progress)
         md5.update({p: f.result() for p, f in pending.items()})
-
     log.info("%s: uploads done at %.2f s", target.region, time.monotonic() - t0)
-    after = bucket.listing(hints) if uploads else listing
-    for s in local.shards:
-        obj = after.get(s.path)
-        if obj is None or obj.size != s.bytes or (s.path in md5 and not _etag_ok(obj, md5[s.path])):
-            raise SyncError(f"{target.url(s.path)}: missing or wrong after upload (size or ETag differs); manifest not published")
-    data = local.to_json()
-    # Readers only open manifest.json; the history copy is for --delete's generation bookkeeping.
+    # Readers only open manifest.json, so the history copy (for --delete's bookkeeping) can go up
+    # while the check runs; manifest.json itself only after every shard it names is verified.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        for f in [pool.submit(bucket.put, f"{HISTORY}/{local.generation:08d}.json", data), pool.submit(bucket.put, MANIFEST, data)]:
-            f.result()
+        history = pool.submit(bucket.put, f"{HISTORY}/{local.generation:08d}.json", data)
+        after = bucket.listing(hints) if uploads else listing
+        for s in local.shards:
+            obj = after.get(s.path)
+            if obj is None or obj.size != s.bytes or (s.path in md5 and not _etag_ok(obj, md5[s.path])):
+                raise SyncError(f"{target.url(s.path)}: missing or wrong after upload (size or ETag differs); manifest not published")
+        history.result()
+    bucket.put(MANIFEST, data)
     rr.published = True
     log.info("%s: generation %d published at %.2f s", target.region, local.generation, time.monotonic() - t0)
     if settings.delete:
