@@ -248,3 +248,15 @@ def test_profile_per_region_reaches_boto3_and_s5cmd(tmp_path: Path, s3: SeaweedS
     assert json.loads(r.stdout)["regions"]["us-east-1"]["published"]
     r = cli("sync", out, "--plan", plan, "--region", "eu-west-1")  # no profile and no keys: a clear error
     assert r.exit_code == 1 and "credentials" in r.stderr and s3.secret_key not in r.output
+
+
+def test_an_older_or_unrelated_split_does_not_replace_the_buckets_generation(tmp_path: Path, aws: SeaweedS3) -> None:
+    plan, buckets = sync_plan(tmp_path / "plan.toml", aws, "older")
+    _create(aws, buckets)
+    out = make_split(tmp_path / "a", plan, samples=200)
+    assert cli("split", tmp_path / "a" / "corpus", "--plan", plan, "--out", out, "--workers", "1").exit_code == 0  # generation 2
+    assert cli("sync", out, "--plan", plan, "--region", "us-east-1").exit_code == 0
+    other = make_split(tmp_path / "b", plan, samples=150, seed=4)  # a fresh folder: generation 1
+    r = cli("sync", other, "--plan", plan, "--region", "us-east-1")
+    assert r.exit_code == 1 and "the bucket holds generation 2, local split is generation 1" in r.stderr
+    assert remote_manifest(aws, buckets["us-east-1"])["generation"] == 2  # type: ignore[index]

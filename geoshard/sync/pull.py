@@ -69,7 +69,11 @@ def pull(
     transferer = transferer or Transferer(workers=settings.workers)
     delays = settings.backoff.delays()
     while missing:
-        temp = {s.path: root / f".{s.path}.partial" for s in missing}
+        # Hidden temporary names beside their final place: a rename is then atomic, and loaders
+        # reading the replica by its manifest never open a partial file.
+        temp = {s.path: (root / s.path).with_name(f".{Path(s.path).name}.partial") for s in missing}
+        for t in temp.values():
+            t.parent.mkdir(parents=True, exist_ok=True)
         failures = transferer.download([Transfer(str(temp[s.path]), target.url(s.path), s.bytes) for s in missing], target, progress)
         retry = []
         for s in missing:

@@ -138,6 +138,13 @@ def sync_region(
             rr.aborted_uploads += 1
     log.info("%s: listed %d objects in %.2f s", target.region, len(listing), time.monotonic() - t0)
     remote = parse_region_manifest(remote_data, target.url(MANIFEST)) if remote_data else None
+    if remote and (remote.generation > local.generation or (remote.generation == local.generation and remote_data != local.to_json())):
+        # Generations order what --delete keeps; publishing an older or unrelated split would
+        # strand readers of the newer one.
+        raise SyncError(
+            f"{target.url(MANIFEST)}: the bucket holds generation {remote.generation}, local split is generation "
+            f"{local.generation} with other shards; sync from the folder that produced the bucket's generation"
+        )
     published = {s.path: s.sha256 for s in remote.shards} if remote else {}
 
     # Shards the bucket's manifest already names, present with the right size, need no local read.
@@ -158,12 +165,12 @@ def sync_region(
         rr.published = True  # already the bucket's manifest, and every shard it names is there
         log.info("%s: nothing to do (%.2f s)", target.region, time.monotonic() - t0)
         if settings.delete and not settings.dry_run:
-            rr.deleted = bucket.delete(_unreferenced(bucket, listing, local, settings.keep_generations, dry_run=False))
+            rr.deleted = bucket.delete(_unreferenced(bucket, listing, local, settings.keep_generations))
         return
     if settings.dry_run:
         rr.uploaded = len(uploads)
         rr.bytes_uploaded = sum(s.bytes for s in uploads)
-        rr.deleted = len(_unreferenced(bucket, listing, local, settings.keep_generations, dry_run=True)) if settings.delete else 0
+        rr.deleted = len(_unreferenced(bucket, listing, local, settings.keep_generations)) if settings.delete else 0
         return
     data = local.to_json()
     # The MD5s that check the uploads are computed while s5cmd runs (one thread: the upload is
@@ -187,7 +194,7 @@ def sync_region(
     rr.published = True
     log.info("%s: generation %d published at %.2f s", target.region, local.generation, time.monotonic() - t0)
     if settings.delete:
-        unreferenced = _unreferenced(bucket, after, local, settings.keep_generations, dry_run=False)
+        unreferenced = _unreferenced(bucket, after, local, settings.keep_generations)
         rr.deleted = bucket.delete(unreferenced)
 
 
@@ -230,7 +237,7 @@ def _upload(
         time.sleep(delay)
 
 
-def _unreferenced(bucket: Bucket, listing: dict[str, RemoteObject], current: RegionManifest, keep: int, dry_run: bool) -> list[str]:
+def _unreferenced(bucket: Bucket, listing: dict[str, RemoteObject], current: RegionManifest, keep: int) -> list[str]:
     """Objects under the prefix that neither this manifest nor the ``keep`` previous ones name."""
     history = sorted((p for p in listing if p.startswith(HISTORY + "/")), reverse=True)
     kept_history = [f"{HISTORY}/{current.generation:08d}.json"]
