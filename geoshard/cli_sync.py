@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -15,8 +18,16 @@ from geoshard.retry import Backoff
 from geoshard.split import SplitSettings
 from geoshard.sync.push import SyncSettings
 
+_SYNC_KEYS = ("regions", "dry_run", "delete", "keep_generations", "workers", "retries", "create_buckets", "endpoint")
 
-def _sync_options(f):  # type: ignore[no-untyped-def]
+
+def _sync_options(f: Callable[..., None]) -> Callable[..., None]:
+    """The options sync and refresh share, handed to the command as one ``sync_settings``."""
+
+    @functools.wraps(f)
+    def command(**kw: Any) -> None:
+        f(sync_settings=_sync_settings(**{k: kw.pop(k) for k in _SYNC_KEYS}), **kw)
+
     for opt in reversed(
         [
             click.option("--region", "regions", multiple=True, help="Only this region (repeatable)."),
@@ -30,8 +41,8 @@ def _sync_options(f):  # type: ignore[no-untyped-def]
             click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout."),
         ]
     ):
-        f = opt(f)
-    return f
+        command = opt(command)
+    return command
 
 
 def _sync_settings(
@@ -69,27 +80,14 @@ def _print_sync(report_dict: dict, as_json: bool) -> None:  # type: ignore[type-
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @plan_option
 @_sync_options
-def sync(
-    directory: Path,
-    plan_path: Path,
-    regions: tuple[str, ...],
-    dry_run: bool,
-    delete: bool,
-    keep_generations: int,
-    workers: int,
-    retries: int,
-    create_buckets: bool,
-    endpoint: str | None,
-    as_json: bool,
-) -> None:
+def sync(directory: Path, plan_path: Path, sync_settings: SyncSettings, as_json: bool) -> None:
     """Publish each region's shards of the split in DIRECTORY to its bucket."""
     from geoshard.cli_progress import transfer_progress
     from geoshard.sync.push import sync as run_sync
 
     plan = load_plan(plan_path)
-    settings = _sync_settings(regions, dry_run, delete, keep_generations, workers, retries, create_buckets, endpoint)
     with transfer_progress(enabled=not as_json) as progress:
-        report = run_sync(directory, plan, settings, progress=progress.update)
+        report = run_sync(directory, plan, sync_settings, progress=progress.update)
     _print_sync(report.to_dict(), as_json)
     if not report.ok:
         for name, r in report.regions.items():
@@ -144,30 +142,28 @@ def refresh(
     report_path: Path | None,
     split_workers: int | None,
     scheduler: str | None,
-    regions: tuple[str, ...],
-    dry_run: bool,
-    delete: bool,
-    keep_generations: int,
-    workers: int,
-    retries: int,
-    create_buckets: bool,
-    endpoint: str | None,
+    sync_settings: SyncSettings,
     as_json: bool,
 ) -> None:
     """The nightly job: split new or changed SOURCES into OUT, sync, write a run report."""
     from geoshard.sync.refresh import RefreshSettings
     from geoshard.sync.refresh import refresh as run_refresh
 
-    if dry_run:
+    if sync_settings.dry_run:
         raise ConfigError("--dry-run: not supported by refresh (it would still split); use geoshard sync --dry-run")
     quiet_dask()
     plan = load_plan(plan_path)
     split_settings = SplitSettings(
-        out=out, workers=split_workers, scheduler=scheduler, s3=s3_access(plan, endpoint), created=created_time(), incremental=True
+        out=out,
+        workers=split_workers,
+        scheduler=scheduler,
+        s3=s3_access(plan, sync_settings.default_endpoint),
+        created=created_time(),
+        incremental=True,
     )
     settings = RefreshSettings(
         split=split_settings,
-        sync=_sync_settings(regions, False, delete, keep_generations, workers, retries, create_buckets, endpoint),
+        sync=sync_settings,
         report=report_path,
     )
     report = run_refresh(list(sources), plan, settings)
