@@ -260,3 +260,34 @@ def test_an_older_or_unrelated_split_does_not_replace_the_buckets_generation(tmp
     r = cli("sync", other, "--plan", plan, "--region", "us-east-1")
     assert r.exit_code == 1 and "the bucket holds generation 2, local split is generation 1" in r.stderr
     assert remote_manifest(aws, buckets["us-east-1"])["generation"] == 2  # type: ignore[index]
+
+
+def test_a_failed_batch_is_retried_with_backoff(tmp_path: Path, aws: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch that fails as a whole (endpoint hiccup) is retried after the backoff's delay."""
+    from geoshard.plan import load_plan
+    from geoshard.retry import Backoff
+    from geoshard.sync import push
+    from geoshard.sync.s5cmd import S5cmdError
+    from geoshard.sync.transfer import Transferer
+
+    class Hiccup(Transferer):  # the real s5cmd transfer, after one injected whole-batch failure
+        calls = 0
+
+        def upload(self, transfers, target, progress=None):  # type: ignore[no-untyped-def]
+            Hiccup.calls += 1
+            if Hiccup.calls == 1:
+                raise S5cmdError("s5cmd: RequestError: send request failed (injected)")
+            return super().upload(transfers, target, progress)
+
+    slept: list[float] = []
+    monkeypatch.setattr(push.time, "sleep", slept.append)
+    plan, buckets = sync_plan(tmp_path / "plan.toml", aws, "retry")
+    _create(aws, buckets)
+    out = make_split(tmp_path, plan, samples=100)
+    settings = push.SyncSettings(regions=("us-east-1",), backoff=Backoff(attempts=3, base=0.5, jitter=0))
+    report = push.sync(out, load_plan(plan), settings, transferer=Hiccup())
+    assert report.ok and report.regions["us-east-1"].published and Hiccup.calls == 2 and slept == [0.5]
+    Hiccup.calls = 0  # with no retries left, the region fails and stays unpublished
+    failed = push.sync(out, load_plan(plan), push.SyncSettings(regions=("eu-west-1",), backoff=Backoff(attempts=1)), transferer=Hiccup())
+    assert not failed.ok and "injected" in (failed.regions["eu-west-1"].error or "")
+    assert remote_manifest(aws, buckets["eu-west-1"]) is None

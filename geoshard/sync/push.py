@@ -25,6 +25,7 @@ from geoshard.manifest import RegionManifest, ShardEntry, parse_region_manifest,
 from geoshard.plan import Plan
 from geoshard.retry import Backoff
 from geoshard.sync.remote import HISTORY, MANIFEST, Bucket, BucketTarget, MissingBucket, RemoteObject
+from geoshard.sync.s5cmd import S5cmdError
 from geoshard.sync.transfer import Transfer, Transferer
 from geoshard.sync.verify_local import check_local, md5_of
 
@@ -99,8 +100,8 @@ def sync(
             target = BucketTarget.of(plan.region(name), settings.default_endpoint)
             sync_region(local, (directory / top.regions[name].manifest).parent, target, settings, transferer, rr, progress)
         except GeoshardError as e:
-            rr.error = e.message
-            log.error("region %s not published: %s", name, e.message)
+            rr.error = e.message  # the CLI reports it; logged here for library users
+            log.info("region %s not published: %s", name, e.message)
         rr.seconds = time.monotonic() - t0
     return report
 
@@ -216,11 +217,21 @@ def _upload(
     rr: RegionReport,
     progress: ProgressFn | None,
 ) -> None:
+    """Upload until nothing is pending; failed objects (or a failed batch) retry with ``backoff``."""
     pending = {target.url(s.path): s for s in uploads}
     delays = backoff.delays()
     while pending:
         batch = [Transfer(str(root / s.path), url, s.bytes) for url, s in pending.items()]
-        failures = transferer.upload(batch, target, progress)
+        try:
+            failures = transferer.upload(batch, target, progress)
+        except S5cmdError as e:  # the endpoint or credentials failed the whole batch: maybe transient
+            delay = next(delays, None)
+            if delay is None:
+                rr.failed = len(pending)
+                raise
+            log.warning("%s: upload batch failed (%s); retrying in %.1f s", target.region, e.message, delay)
+            time.sleep(delay)
+            continue
         for url in list(pending):
             if url not in failures:
                 s = pending.pop(url)
