@@ -280,7 +280,7 @@ def test_a_failed_batch_is_retried_with_backoff(tmp_path: Path, aws: SeaweedS3, 
             return super().upload(transfers, target, progress)
 
     slept: list[float] = []
-    monkeypatch.setattr(push.time, "sleep", slept.append)
+    monkeypatch.setattr(push, "_sleep", slept.append)
     plan, buckets = sync_plan(tmp_path / "plan.toml", aws, "retry")
     _create(aws, buckets)
     out = make_split(tmp_path, plan, samples=100)

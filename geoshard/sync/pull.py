@@ -23,6 +23,7 @@ from geoshard.sync.transfer import Transfer, Transferer
 from geoshard.verify import sha256_file
 
 log = logging.getLogger(__name__)
+_sleep = time.sleep  # module-level so tests can record the backoff without touching time.sleep
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def pull(
                     "the replica's manifest was not updated"
                 )
             log.warning("%s: %d download(s) failed or did not verify; retrying in %.1f s", target.region, len(missing), delay)
-            time.sleep(delay)
+            _sleep(delay)
     write_atomic(root / MANIFEST, manifest.to_json())
     report.seconds = time.monotonic() - t0
     return report

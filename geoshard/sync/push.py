@@ -30,6 +30,7 @@ from geoshard.sync.transfer import Transfer, Transferer
 from geoshard.sync.verify_local import check_local, md5_of
 
 log = logging.getLogger(__name__)
+_sleep = time.sleep  # module-level so tests can record the backoff without touching time.sleep
 ProgressFn = Callable[[dict[str, int]], None]
 # s5cmd uploads objects up to its part size (50 MiB) in one PUT, whose ETag is the MD5 of the bytes;
 # larger ones go multipart, whose ETag is not an MD5 of the object, so only their size is checked.
@@ -230,7 +231,7 @@ def _upload(
                 rr.failed = len(pending)
                 raise
             log.warning("%s: upload batch failed (%s); retrying in %.1f s", target.region, e.message, delay)
-            time.sleep(delay)
+            _sleep(delay)
             continue
         for url in list(pending):
             if url not in failures:
@@ -245,7 +246,7 @@ def _upload(
             url, err = next(iter(failures.items()))
             raise SyncError(f"{target.region}: {len(pending)} shard(s) failed to upload, e.g. {url}: {err}; manifest not published")
         log.warning("%s: %d upload(s) failed; retrying in %.1f s", target.region, len(pending), delay)
-        time.sleep(delay)
+        _sleep(delay)
 
 
 def _unreferenced(bucket: Bucket, listing: dict[str, RemoteObject], current: RegionManifest, keep: int) -> list[str]:
