@@ -189,9 +189,11 @@ def plan_from_dict(doc: dict[str, Any], source: str = "plan", text: str | None =
             raise fail(f"{prefix}bucket", f"must be an s3://bucket/prefix URL, got {bucket!r}")
         endpoint = opt_str(rd, "endpoint", prefix)
         alluxio = opt_str(rd, "alluxio", prefix)
-        for k, v in (("endpoint", endpoint), ("alluxio", alluxio)):
-            if v is not None and not re.match(r"^https?://[^\s/]+", v):
-                raise fail(f"{prefix}{k}", f"must be an http(s):// URL, got {v!r}")
+        if endpoint is not None and not re.match(r"^https?://[^\s/]+", endpoint):
+            raise fail(f"{prefix}endpoint", f"must be an http(s):// URL, got {endpoint!r}")
+        # A worker's HTTP API (http://host:port), or Alluxio's S3-compatible proxy (s3+http://host:port).
+        if alluxio is not None and not re.match(r"^(s3\+)?https?://[^\s/]+", alluxio):
+            raise fail(f"{prefix}alluxio", f"must be http(s)://worker:port or s3+http(s)://proxy:port, got {alluxio!r}")
         regions.append(
             Region(
                 name=name,

@@ -1,0 +1,157 @@
+"""The tier chain of one reading region: Alluxio cache, local replica, the region's bucket, then
+(if allowed) other regions' buckets, counted as egress.
+
+Every fetched shard is checked against the manifest (size and sha256); a mismatch is counted, the
+next tier is tried, and a corrupt local copy is removed. A tier that fails (down, timeout) is
+skipped for ``cooldown_s``, so a dead Alluxio costs one timeout, not one per shard. Transient
+failures are retried with backoff before the tier is given up. A shard fetched from a bucket is
+written back to the local replica.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from geoshard.loaders.local_tier import LocalTier
+from geoshard.loaders.stats import LoaderStats
+from geoshard.loaders.tier import Tier, TierError, TierMissing, WritableTier, make_tier
+
+from geoshard.errors import StorageError
+from geoshard.manifest import ShardEntry
+from geoshard.plan import Plan
+from geoshard.retry import Backoff
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChainSettings:
+    timeouts: tuple[tuple[str, float], ...] = (("alluxio", 2.0), ("local", 10.0), ("s3", 30.0))  # per tier kind, seconds
+    cooldown_s: float = 30.0
+    backoff: Backoff = field(default_factory=lambda: Backoff(attempts=2, base=0.2, cap=2.0))
+    allow_cross_region: bool = True
+    writeback: bool = True
+    local_limit_bytes: int | None = None  # cap on the local replica; least recently used shards go first
+
+    def timeout(self, kind: str) -> float:
+        return dict(self.timeouts).get(kind, 30.0)
+
+
+class AllTiersFailed(StorageError):
+    """No tier could serve a shard; the message names it and every tier's failure."""
+
+
+class TierChain:
+    def __init__(
+        self,
+        region: str,
+        tiers: Sequence[Tier],
+        settings: ChainSettings | None = None,
+        stats: LoaderStats | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.region = region
+        self.tiers = list(tiers)
+        self.settings = settings or ChainSettings()
+        self.stats = stats or LoaderStats()
+        self._clock, self._sleep = clock, sleep
+        self._down_until: dict[str, float] = {}
+        self.local = next((t for t in self.tiers if isinstance(t, WritableTier)), None)
+
+    def healthy(self, tier: Tier) -> bool:
+        return self._clock() >= self._down_until.get(tier.name, 0.0)
+
+    def fetch(self, shard: ShardEntry) -> bytes:
+        """The shard's bytes from the nearest tier that has them intact."""
+        failures = []
+        for tier in self.tiers:
+            if not self.healthy(tier):
+                failures.append(f"{tier.name}: cooling down after a failure")
+                continue
+            data = self._try(tier, shard, failures)
+            if data is None:
+                continue
+            if tier.region and tier.region != self.region:
+                self.stats.add_egress(tier.region, self.region, len(data))
+            if self.settings.writeback and self.local is not None and tier.kind != "local" and tier is not self.local:
+                try:
+                    self.local.write(shard.path, data)
+                    self.stats.writebacks += 1
+                except (OSError, TierError) as e:
+                    log.warning("write-back of %s to %s failed: %s", shard.path, self.local.name, e)
+            return data
+        raise AllTiersFailed(f"shard {shard.path} (region {self.region}): no tier could serve it: " + "; ".join(failures))
+
+    def _try(self, tier: Tier, shard: ShardEntry, failures: list[str]) -> bytes | None:
+        delays = self.settings.backoff.delays()
+        while True:
+            t0 = self._clock()
+            try:
+                data = tier.read(shard.path)
+            except TierMissing as e:
+                self.stats.count(tier.name, "misses")
+                failures.append(str(e))
+                return None
+            except TierError as e:
+                self.stats.count(tier.name, "errors")
+                delay = next(delays, None)
+                if delay is None:
+                    self._down_until[tier.name] = self._clock() + self.settings.cooldown_s
+                    log.warning("%s failed (%s); skipping it for %.0f s", tier.name, e, self.settings.cooldown_s)
+                    failures.append(str(e))
+                    return None
+                self._sleep(delay)
+                continue
+            if len(data) != shard.bytes or hashlib.sha256(data).hexdigest() != shard.sha256:
+                self.stats.count(tier.name, "verify_failures")
+                failures.append(f"{tier.name}: {shard.path} does not match its manifest ({len(data)} of {shard.bytes} bytes)")
+                if isinstance(tier, LocalTier):
+                    tier.remove(shard.path)  # never serve a corrupt local copy again
+                return None
+            self.stats.hit(tier.name, len(data), self._clock() - t0)
+            return data
+
+
+def build_chain(plan: Plan, region: str, settings: ChainSettings | None = None, stats: LoaderStats | None = None) -> TierChain:
+    """The chain for ``region`` from the plan: alluxio, local, its bucket, then other regions' buckets."""
+    settings = settings or ChainSettings()
+    r = plan.region(region)
+    tiers: list[Tier] = []
+    if r.alluxio and r.bucket:
+        if r.alluxio.startswith(("s3+http://", "s3+https://")):  # Alluxio's S3-compatible proxy
+            tiers.append(
+                make_tier(
+                    "s3",
+                    bucket=r.bucket_name,
+                    prefix=r.bucket_prefix,
+                    endpoint=r.alluxio[3:],
+                    profile=r.profile,
+                    region=region,
+                    timeout_s=settings.timeout("alluxio"),
+                    name=f"alluxio-s3:{region}",
+                )
+            )
+        else:
+            tiers.append(make_tier("alluxio", url=r.alluxio, ufs_root=r.bucket, region=region, timeout_s=settings.timeout("alluxio")))
+    if r.local:
+        tiers.append(make_tier("local", root=r.local, region=region, limit_bytes=settings.local_limit_bytes))
+    buckets = [r] + ([o for o in plan.regions if o.name != region] if settings.allow_cross_region else [])
+    for b in buckets:
+        if b.bucket_name:
+            tiers.append(
+                make_tier(
+                    "s3",
+                    bucket=b.bucket_name,
+                    prefix=b.bucket_prefix,
+                    endpoint=b.endpoint,
+                    profile=b.profile,
+                    region=b.name,
+                    timeout_s=settings.timeout("s3"),
+                )
+            )
+    return TierChain(region, tiers, settings, stats)

@@ -1,0 +1,87 @@
+"""The local replica: a folder laid out like a region of a split (manifest paths under ``root``).
+
+Writes are atomic (temporary name, then rename), and with ``limit_bytes`` the least recently used
+shards are evicted to make room, so write-back from S3 never fills the disk.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from pathlib import Path, PurePosixPath
+
+from geoshard.loaders.tier import TierError, TierMissing
+
+
+class LocalTier:
+    kind = "local"
+
+    def __init__(self, root: str | os.PathLike[str], region: str = "", limit_bytes: int | None = None) -> None:
+        self.root = Path(root)
+        self.region = region
+        self.name = f"local:{region}" if region else f"local:{self.root}"
+        self.limit_bytes = limit_bytes
+        self._lock = threading.Lock()
+
+    def _path(self, path: str) -> Path:
+        p = PurePosixPath(path)
+        if p.is_absolute() or ".." in p.parts:
+            raise TierError(f"{self.name}: refusing path {path!r} outside the replica")
+        return self.root / p
+
+    def stat(self, path: str) -> int | None:
+        try:
+            return self._path(path).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def read(self, path: str) -> bytes:
+        p = self._path(path)
+        try:
+            data = p.read_bytes()
+        except FileNotFoundError:
+            raise TierMissing(f"{self.name}: {path} not in the replica") from None
+        except OSError as e:
+            raise TierError(f"{self.name}: cannot read {p}: {e.strerror}") from e
+        os.utime(p)  # recency for eviction
+        return data
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        p = self._path(path)
+        try:
+            with open(p, "rb") as f:
+                f.seek(offset)
+                return f.read(length)
+        except FileNotFoundError:
+            raise TierMissing(f"{self.name}: {path} not in the replica") from None
+        except OSError as e:
+            raise TierError(f"{self.name}: cannot read {p}: {e.strerror}") from e
+
+    def write(self, path: str, data: bytes) -> None:
+        p = self._path(path)
+        with self._lock:
+            if self.limit_bytes is not None:
+                self._evict(len(data), keep=p)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".partial")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, p)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+
+    def remove(self, path: str) -> None:
+        self._path(path).unlink(missing_ok=True)
+
+    def _evict(self, incoming: int, keep: Path) -> None:
+        files = [f for f in self.root.rglob("*") if f.is_file() and not f.name.startswith(".") and f.name != "manifest.json" and f != keep]
+        sizes = {f: f.stat() for f in files}
+        used = sum(s.st_size for s in sizes.values())
+        for f in sorted(files, key=lambda f: sizes[f].st_mtime):  # least recently used first
+            if used + incoming <= self.limit_bytes:  # type: ignore[operator]
+                break
+            f.unlink(missing_ok=True)
+            used -= sizes[f].st_size
