@@ -1,0 +1,102 @@
+"""One contract every storage tier passes (local replica, S3 on SeaweedFS, Alluxio through the
+real client and the worker stand-in), mixed into a test class per tier, fsspec-style."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from geoshard.loaders.local_tier import LocalTier
+from geoshard.loaders.tier import TIER_KINDS, Tier, TierMissing, make_tier, register_tier, tier_class
+from servers import SeaweedS3
+
+FILES = {"a.tar": os.urandom(3000), "sub/b.tar": os.urandom((1 << 20) + 7), "one.tar": b"x"}
+
+
+class TierContract:
+    """Subclasses provide a ``tier`` fixture serving FILES."""
+
+    def test_stat_gives_sizes_and_none_when_absent(self, tier: Tier) -> None:
+        assert isinstance(tier, Tier)
+        for path, data in FILES.items():
+            assert tier.stat(path) == len(data)
+        assert tier.stat("nope.tar") is None
+
+    def test_read_is_byte_identical(self, tier: Tier) -> None:
+        for path, data in FILES.items():
+            assert tier.read(path) == data
+
+    @pytest.mark.parametrize(("offset", "length"), [(0, 1), (10, 100), ((1 << 20) - 3, 9), (1 << 20, 7)])
+    def test_read_range(self, tier: Tier, offset: int, length: int) -> None:
+        data = FILES["sub/b.tar"]
+        assert tier.read_range("sub/b.tar", offset, length) == data[offset : offset + length]
+
+    def test_missing_object_is_a_miss_not_a_failure(self, tier: Tier) -> None:
+        with pytest.raises(TierMissing):
+            tier.read("nope.tar")
+
+
+def _write(root: Path) -> Path:
+    for path, data in FILES.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_bytes(data)
+    return root
+
+
+class TestLocalTier(TierContract):
+    @pytest.fixture
+    def tier(self, tmp_path: Path) -> Tier:
+        return LocalTier(_write(tmp_path), region="eu-west-1")
+
+    def test_write_is_atomic_and_eviction_keeps_the_limit(self, tmp_path: Path) -> None:
+        t = LocalTier(tmp_path / "r", limit_bytes=10_000)
+        for i in range(5):
+            t.write(f"s{i}.tar", bytes(4000))
+        kept = sorted(p.name for p in (tmp_path / "r").iterdir())
+        assert sum((tmp_path / "r" / k).stat().st_size for k in kept) <= 10_000 and "s4.tar" in kept
+        assert not [p for p in (tmp_path / "r").iterdir() if p.name.endswith(".partial")]
+
+    def test_paths_outside_the_replica_are_refused(self, tmp_path: Path) -> None:
+        with pytest.raises(Exception, match="outside the replica"):
+            LocalTier(tmp_path).read("../etc/passwd")
+
+
+@pytest.fixture(scope="module")
+def bucket(s3: SeaweedS3) -> str:
+    s3.make_bucket("tier-contract")
+    with contextlib.closing(s3.client()) as c:
+        for path, data in FILES.items():
+            c.put_object(Bucket="tier-contract", Key=f"train/{path}", Body=data)
+    return "tier-contract"
+
+
+class TestS3Tier(TierContract):
+    @pytest.fixture
+    def tier(self, bucket: str, aws: SeaweedS3) -> Iterator[Tier]:
+        t = make_tier("s3", bucket=bucket, prefix="train", endpoint=aws.endpoint, region="us-east-1", timeout_s=5)
+        yield t
+        t.client.close()  # type: ignore[attr-defined]
+
+
+class TestAlluxioTier(TierContract):
+    @pytest.fixture
+    def tier(self, tmp_path: Path) -> Iterator[Tier]:
+        from alluxio_standin import AlluxioWorkerStandIn
+
+        with AlluxioWorkerStandIn(_write(tmp_path), "s3://standin/train") as worker:
+            t = make_tier("alluxio", url=worker.url, ufs_root="s3://standin/train", region="eu-west-1")
+            yield t
+            t.close()  # type: ignore[attr-defined]
+
+
+def test_registry_is_read_only_and_explicit() -> None:
+    assert set(TIER_KINDS) >= {"local", "s3", "alluxio"}
+    with pytest.raises(TypeError):
+        TIER_KINDS["x"] = ("m", "c", "")  # type: ignore[index]
+    with pytest.raises(ValueError, match="already registered"):
+        register_tier("local", "m", "C")
+    with pytest.raises(Exception, match="unknown tier kind 'nfs'"):
+        tier_class("nfs")
