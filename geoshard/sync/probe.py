@@ -42,6 +42,7 @@ from typing import Any
 from geoshard.plan import Plan, Region
 from geoshard.sources import s3_client
 from geoshard.sync.remote import MANIFEST, BucketTarget
+from geoshard.sync.s5cmd import display_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -131,18 +132,6 @@ class ProbeResult:
             skipped=tuple(d.get("skipped", ())),
             settings=dict(d.get("settings", {})),
         )
-
-
-def display_endpoint(endpoint: str | None) -> str:
-    """The endpoint URL without a user:password part, query or fragment."""
-    if not endpoint:
-        return "the default AWS endpoint"
-    u = urllib.parse.urlsplit(endpoint)
-    host = u.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{host}:{u.port}" if u.port else host
-    return urllib.parse.urlunsplit((u.scheme, netloc, u.path, "", ""))
 
 
 def probe(

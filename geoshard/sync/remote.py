@@ -16,6 +16,7 @@ from typing import Any
 from geoshard.errors import ConfigError, StorageError
 from geoshard.plan import Region
 from geoshard.sources import s3_client
+from geoshard.sync.s5cmd import display_endpoint
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -58,7 +59,7 @@ class BucketTarget:
 
     @property
     def where(self) -> str:
-        return f"{self.url()} at {self.endpoint or 'the default AWS endpoint'}"
+        return f"{self.url()} at {display_endpoint(self.endpoint)}"
 
 
 class Bucket:

@@ -249,13 +249,15 @@ class RunOutput:
 
 
 def display_endpoint(endpoint: str | None) -> str:
-    """The endpoint as safe to print: any user:password@ removed."""
+    """The endpoint as safe to print: no user:password part, query or fragment."""
     if not endpoint:
         return "the default AWS endpoint"
-    parts = urlsplit(endpoint)
-    if "@" not in parts.netloc:
-        return endpoint
-    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    u = urlsplit(endpoint)
+    host = u.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{host}:{u.port}" if u.port else host
+    return urlunsplit((u.scheme, netloc, u.path, "", ""))
 
 
 @functools.cache
