@@ -229,6 +229,11 @@ class SeaweedS3:
             "admin.ui": "false",
             "webdav": "false",
             "master.telemetry": "false",
+            # Each bucket is a collection that grows its own volumes; the automatic limit (free disk /
+            # volume size) runs out after a few dozen buckets on a fuller disk. Empty volumes cost
+            # next to nothing, so allow plenty of small ones.
+            "volume.max": "2000",
+            "master.volumeSizeLimitMB": "64",
             **{k: str(v) for k, v in self.ports.items()},
         }
         if len(str(self.root)) < 90:  # else weed's defaults, /tmp/seaweedfs-{filer,s3}-PORT.sock
