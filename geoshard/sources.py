@@ -215,9 +215,6 @@ class HashingReader:
         while self.read(1 << 20):
             pass
 
-    def readable(self) -> bool:
-        return True
-
 
 @contextmanager
 def open_source(ref: SourceRef, s3: S3Access) -> Iterator[tuple[Readable, HashingReader]]:

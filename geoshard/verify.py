@@ -61,9 +61,4 @@ def verify_split(directory: Path) -> tuple[dict[str, RegionManifest], VerifyRepo
     return regions, report
 
 
-def load_regions(directory: Path) -> dict[str, RegionManifest]:
-    m = read_manifest(directory)
-    return {name: read_region_manifest(directory / s.manifest) for name, s in m.regions.items()}
-
-
-__all__ = ["MANIFEST", "VerifyReport", "file_digests", "load_regions", "sha256_file", "verify_region", "verify_split"]
+__all__ = ["MANIFEST", "VerifyReport", "file_digests", "sha256_file", "verify_region", "verify_split"]

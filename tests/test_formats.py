@@ -5,11 +5,11 @@ from __future__ import annotations
 import gzip
 import io
 import random
-import struct
 import tarfile
 import tracemalloc
 from pathlib import Path
 
+import google_crc32c
 import pytest
 from splitkit import tar_bytes
 
@@ -41,7 +41,10 @@ def test_tfrecord_round_trip_and_framing() -> None:
 
 def test_tfrecord_masked_crc_known_value() -> None:
     # Value from TensorFlow's crc32c masking of the 8-byte little-endian length 0.
-    assert tfrecord.masked_crc(struct.pack("<Q", 0)) == 0x1B4C_0A77 or tfrecord.masked_crc(b"") == 0xA282EAD8
+    # CRC-32C's standard check value, then TFRecord's mask: rotate right by 15, add 0xa282ead8.
+    crc = 0xE3069283
+    assert google_crc32c.value(b"123456789") == crc
+    assert tfrecord.masked_crc(b"123456789") == (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
     assert tfrecord.masked_crc(b"") == 0xA282EAD8  # crc32c("") is 0, so only the mask delta remains
 
 

@@ -81,7 +81,3 @@ class TFRecordWriter:
         framed = frame(record)
         self.f.write(framed)
         return len(framed)
-
-    def write_framed(self, framed: bytes) -> int:
-        self.f.write(framed)
-        return len(framed)

@@ -283,11 +283,6 @@ class TarWriter:
     def write_sample(self, members: list[Member]) -> int:
         return sum(self.write_member(n, d) for n, d in members)
 
-    def write_raw(self, raw: bytes) -> int:
-        """Append a raw sample from :func:`iter_raw_samples` as is."""
-        self.f.write(raw)
-        return len(raw)
-
     def close(self) -> int:
         self.f.write(_ZERO * 2)
         return 2 * BLOCK
