@@ -58,3 +58,21 @@ class LoaderStats:
                 "egress_bytes": {f"{src}->{dst}": n for (src, dst), n in self.egress.items()},
                 "writebacks": self.writebacks,
             }
+
+
+def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    """One snapshot from several (DataLoader workers, ranks): counts add up, maxima stay maxima."""
+    tiers: dict[str, dict[str, Any]] = {}
+    egress: dict[str, int] = defaultdict(int)
+    writebacks = 0
+    for snap in snapshots:
+        for name, c in snap.get("tiers", {}).items():
+            t = tiers.setdefault(name, TierCounters().to_dict())
+            for k, v in c.items():
+                t[k] = max(t[k], v) if k == "fetch_seconds_max" else t[k] + v
+        for k, n in snap.get("egress_bytes", {}).items():
+            egress[k] += n
+        writebacks += snap.get("writebacks", 0)
+    for t in tiers.values():
+        t["fetch_seconds_mean"] = t["fetch_seconds"] / t["hits"] if t["hits"] else 0.0
+    return {"tiers": tiers, "egress_bytes": dict(egress), "writebacks": writebacks}

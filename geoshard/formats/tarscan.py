@@ -29,9 +29,20 @@ class ScanResult:
     ends: list[int]  # absolute offset in buf just past each sample's last member
     consumed: int  # offset in buf up to which samples were emitted
     end_of_archive: bool
+    members: Members | None = None  # only when asked for: the loaders index fields without a Python loop over headers
 
 
-def scan(buf: bytes, pos: int, eof: bool) -> ScanResult | None:
+@dataclass(frozen=True)
+class Members:
+    """Member-level view of the emitted samples: member j of sample ``sample[j]``."""
+
+    data: np.ndarray  # absolute offset of each member's data
+    size: np.ndarray
+    ext: list[bytes]  # the field name: the member name after the key's dot
+    first: np.ndarray  # index of each sample's first member; ``first[i+1]`` ends sample i
+
+
+def scan(buf: bytes, pos: int, eof: bool, members: bool = False) -> ScanResult | None:
     """Parse the complete samples of ``buf[pos:]``; None means: use the slow reader here."""
     nblocks = (len(buf) - pos) // BLOCK
     if nblocks < 2:
@@ -103,4 +114,15 @@ def scan(buf: bytes, pos: int, eof: bool) -> ScanResult | None:
     ends = member_end[np.append(firsts[1:], complete)[:nsamples] - 1].tolist()
     klen = key_len[firsts[:nsamples]].tolist()
     out = [buf[s : s + n] for s, n in zip(starts, klen, strict=True)]
-    return ScanResult(keys=out, starts=starts, ends=ends, consumed=ends[-1], end_of_archive=end_of_archive and last_done)
+    m = None
+    if members:
+        nm = int(np.append(firsts, complete)[nsamples])  # members of the emitted samples
+        ext_cols = np.where(cols > key_len[:nm, None], names[:nm], 0)  # keep only the bytes after the key's dot
+        ext_s = np.ascontiguousarray(ext_cols).view(f"S{width}").ravel()
+        m = Members(
+            data=pos + (cand[:nm] + 1) * BLOCK,
+            size=sizes[:nm],
+            ext=[e.lstrip(b"\0") for e in ext_s.tolist()],
+            first=np.append(firsts[:nsamples], nm),
+        )
+    return ScanResult(keys=out, starts=starts, ends=ends, consumed=ends[-1], end_of_archive=end_of_archive and last_done, members=m)
