@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from geoshard.loaders import make_loader
 
 
