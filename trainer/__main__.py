@@ -1,0 +1,30 @@
+"""``torchrun --nproc-per-node N -m geoshard.trainer --plan PLAN --region R --steps S --out RUN_DIR``."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import click
+from geoshard.trainer.options import config_from, train_options
+
+from geoshard.errors import GeoshardError
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@train_options
+def main(**kwargs: Any) -> None:
+    """Train the demo model with DDP on one region's data and write RUN_DIR/report.json."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from geoshard.trainer.loop import train
+
+    try:
+        train(config_from(**kwargs))
+    except GeoshardError as e:
+        click.echo(f"geoshard.trainer: error: {e.message}", err=True)
+        sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()

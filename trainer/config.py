@@ -1,0 +1,75 @@
+"""The trainer's settings: one frozen dataclass, built from the command line at the edge.
+
+``geoshard train`` and ``python -m geoshard.trainer`` share the option list (``options.py``);
+``to_argv`` turns a config back into the latter's arguments so ``geoshard train`` can hand it to
+torchrun unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from geoshard.errors import ConfigError
+
+BACKENDS = ("auto", "gloo", "nccl")
+COMPRESSIONS = ("none", "fp16")
+NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "NVLS", "NVLSTree", "PAT")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    plan: Path
+    out: Path
+    steps: int
+    region: str | None = None
+    batch_size: int = 32
+    accum_steps: int = 1
+    lr: float = 0.05
+    seed: int = 0
+    num_workers: int = 2
+    prefetch: int = 2
+    shuffle_buffer: int = 1000
+    grad_compression: str = "none"
+    fp32_after: int | None = None  # step from which gradients are exchanged in fp32 again
+    checkpoint: str | None = None  # folder or s3://bucket/prefix; default RUN_DIR/checkpoints
+    checkpoint_every: int = 50
+    checkpoint_keep: int = 2
+    checkpoint_endpoint: str | None = None
+    resume: bool = False
+    backend: str = "auto"
+    nccl_algo: str | None = None
+    socket_ifname: str | None = None
+    metrics_port: int | None = None  # rank r serves on metrics_port + r
+    budget: float = 0.05
+    log_keys: bool = False  # every step's sample keys into keys-rank{R}.jsonl (for audits and tests)
+    allow_cross_region: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "accum_steps", "checkpoint_every", "checkpoint_keep"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.grad_compression not in COMPRESSIONS:
+            raise ConfigError(f"--grad-compression must be one of {', '.join(COMPRESSIONS)}, got {self.grad_compression!r}")
+        if not 0 < self.budget < 1:
+            raise ConfigError(f"--budget must lie between 0 and 1, got {self.budget}")
+
+    @property
+    def checkpoint_target(self) -> str:
+        return self.checkpoint or str(self.out / "checkpoints")
+
+    def to_argv(self) -> list[str]:
+        """The same config as ``python -m geoshard.trainer`` arguments."""
+        argv: list[str] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                if value != f.default:
+                    argv.append(flag if value else "--no-" + flag[2:])
+            elif value is not None:
+                argv += [flag, str(value)]
+        return argv

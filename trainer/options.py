@@ -1,0 +1,50 @@
+"""The trainer's command-line options, shared by ``geoshard train`` and ``python -m geoshard.trainer``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from geoshard.trainer.config import BACKENDS, COMPRESSIONS, NCCL_ALGOS, TrainConfig
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_OPTIONS = [
+    click.option("--plan", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Region plan (TOML)."),
+    click.option("--region", help="Region this job trains in (default: GEOSHARD_REGION, then AWS_REGION)."),
+    click.option("--steps", required=True, type=int, help="Optimizer steps to train."),
+    click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Run folder (RUN_DIR)."),
+    click.option("--batch-size", default=32, show_default=True, type=int, help="Samples per micro-batch and rank."),
+    click.option("--accum-steps", default=1, show_default=True, type=int, help="Micro-batches per optimizer step (2-4 on long links)."),
+    click.option("--lr", default=0.05, show_default=True, type=float),
+    click.option("--seed", default=0, show_default=True, type=int),
+    click.option("--num-workers", default=2, show_default=True, type=int, help="DataLoader workers per rank."),
+    click.option("--prefetch", default=2, show_default=True, type=int, help="Shards fetched ahead per worker."),
+    click.option("--shuffle-buffer", default=1000, show_default=True, type=int),
+    click.option("--grad-compression", type=click.Choice(COMPRESSIONS), default="none", show_default=True),
+    click.option("--fp32-after", type=int, help="With fp16 compression: exchange fp32 gradients from this step on."),
+    click.option("--checkpoint", help="Checkpoint folder or s3://bucket/prefix (default: RUN_DIR/checkpoints)."),
+    click.option("--checkpoint-every", default=50, show_default=True, type=int),
+    click.option("--checkpoint-keep", default=2, show_default=True, type=int),
+    click.option("--checkpoint-endpoint", help="S3 endpoint for an s3:// --checkpoint."),
+    click.option("--resume/--no-resume", default=False, help="Continue from the latest checkpoint if there is one."),
+    click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True, help="auto: nccl on CUDA, else gloo."),
+    click.option("--nccl-algo", type=click.Choice(NCCL_ALGOS), help="NCCL_ALGO (Tree suits long, high-latency links)."),
+    click.option("--socket-ifname", help="Network interface for NCCL and gloo (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)."),
+    click.option("--metrics-port", type=int, help="Serve Prometheus metrics on 127.0.0.1:PORT+rank."),
+    click.option("--budget", default=0.05, show_default=True, type=float, help="IO-wait budget, a share of wall time."),
+    click.option("--log-keys/--no-log-keys", default=False, help="Record every step's sample keys (audits)."),
+    click.option("--allow-cross-region/--no-allow-cross-region", default=True, help="Read other regions' buckets as a last resort."),
+]
+
+
+def train_options(f: F) -> F:
+    for option in reversed(_OPTIONS):
+        f = option(f)
+    return f
+
+
+def config_from(**kwargs: Any) -> TrainConfig:
+    return TrainConfig(**kwargs)
