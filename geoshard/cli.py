@@ -187,9 +187,11 @@ def demo(out: Path, samples: int, workers: int | None) -> None:
 
 
 def _register() -> None:
+    from geoshard.cli_report import report
     from geoshard.cli_sync import COMMANDS
+    from geoshard.cli_train import train
 
-    for command in COMMANDS:
+    for command in (*COMMANDS, train, report):
         main.add_command(command)
 
 

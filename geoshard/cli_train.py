@@ -52,7 +52,7 @@ def train(nproc: int, max_restarts: int, **kwargs: Any) -> None:
     """Train with torchrun on this node and print the IO-wait report."""
     cfg = config_from(**kwargs)
     argv = torchrun_argv(nproc, max_restarts, free_port(), cfg.to_argv())
-    r = subprocess.run(argv, check=False)  # argv list, no shell: nothing the user passes is interpreted
+    r = subprocess.run(argv, check=False)  # noqa: S603 - argv list, no shell: nothing the user passes is interpreted
     if r.returncode != 0:
         raise TrainingFailed(f"torchrun exited with {r.returncode}; the ranks' errors are above, their step logs in {cfg.out}")
     from geoshard.cli_report import render_report
