@@ -11,15 +11,40 @@ or sync code)::
         loader.set_epoch(epoch)
         for batch in timed(loader):
             ...
+
+Names are imported on first use, so ``import geoshard.loaders`` stays cheap (torch and boto3
+load when a dataset or tier is made).
 """
 
-from geoshard.loaders.chain import AllTiersFailed, ChainSettings, TierChain, build_chain
-from geoshard.loaders.dataset import RegionalDataset
-from geoshard.loaders.loader import RegionalLoader, Timed, make_loader, timed
+from __future__ import annotations
 
-from geoshard.manifest import RegionManifest, ShardEntry, read_region_manifest
-from geoshard.plan import Plan, load_plan
+import importlib
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from geoshard.loaders.chain import AllTiersFailed, ChainSettings, TierChain, build_chain
+    from geoshard.loaders.dataset import RegionalDataset
+    from geoshard.loaders.loader import RegionalLoader, Timed, make_loader, timed
+
+    from geoshard.manifest import RegionManifest, ShardEntry, read_region_manifest
+    from geoshard.plan import Plan, load_plan
+
+_WHERE = {
+    "AllTiersFailed": "geoshard.loaders.chain",
+    "ChainSettings": "geoshard.loaders.chain",
+    "TierChain": "geoshard.loaders.chain",
+    "build_chain": "geoshard.loaders.chain",
+    "RegionalDataset": "geoshard.loaders.dataset",
+    "RegionalLoader": "geoshard.loaders.loader",
+    "Timed": "geoshard.loaders.loader",
+    "make_loader": "geoshard.loaders.loader",
+    "timed": "geoshard.loaders.loader",
+    "RegionManifest": "geoshard.manifest",
+    "ShardEntry": "geoshard.manifest",
+    "read_region_manifest": "geoshard.manifest",
+    "Plan": "geoshard.plan",
+    "load_plan": "geoshard.plan",
+}
 __all__ = [
     "AllTiersFailed",
     "ChainSettings",
@@ -36,3 +61,11 @@ __all__ = [
     "read_region_manifest",
     "timed",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value

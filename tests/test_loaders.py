@@ -289,3 +289,10 @@ def test_timed_measures_the_consumers_wait(wds_plan: Path) -> None:
     assert 0 < s["wait_max_s"] <= s["wait_s"] <= s["time_to_first_batch_s"] + s["wait_after_first_s"] + 1e-9
     assert s["time_to_first_batch_s"] >= t.waits[0]
     assert s["loader"]["tiers"][f"local:{EU}"]["hits"] > 0
+
+
+def test_the_package_exports_what_it_lists() -> None:
+    import geoshard.loaders as pkg
+
+    assert sorted(pkg.__all__) == sorted(pkg._WHERE)
+    assert all(getattr(pkg, name) is not None for name in pkg.__all__)

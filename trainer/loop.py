@@ -76,6 +76,14 @@ class _Batches:
         raise RuntimeError("the loader yields no batches: this rank's share of the region is empty")
 
 
+def forward_backward(ddp: DDP, x: torch.Tensor, y: torch.Tensor, accum_steps: int, last: bool) -> float:
+    """One micro-batch: gradients add up locally, and only the last one of a step all-reduces."""
+    with contextlib.nullcontext() if last else ddp.no_sync():
+        loss = F.cross_entropy(ddp(x), y) / accum_steps
+        loss.backward()
+    return float(loss.detach())
+
+
 def _keep_steps(path: Path, upto: int) -> None:
     """After a resume, forget the records of steps that are about to be redone."""
     if not path.exists():
@@ -190,12 +198,7 @@ def _loop(
             if first_batch is None:
                 first_batch = t1 - t_loop
             x, y = batch["x"].to(device, non_blocking=True), batch["y"].to(device, non_blocking=True)
-            # Only the last micro-batch all-reduces; the others accumulate locally.
-            sync = contextlib.nullcontext() if micro == cfg.accum_steps - 1 else ddp.no_sync()
-            with sync:
-                loss = F.cross_entropy(ddp(x), y) / cfg.accum_steps
-                loss.backward()
-            loss_sum += float(loss.detach())
+            loss_sum += forward_backward(ddp, x, y, cfg.accum_steps, last=micro == cfg.accum_steps - 1)
             n += len(y)
             keys += batch["keys"]
             compute += clock() - t1

@@ -1,0 +1,183 @@
+"""``geoshard report RUN_DIR``: the IO-wait report of a training run, as tables or JSON."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from geoshard.trainer.report import DEFAULT_BUDGET, build_report, write_report
+from geoshard.units import human_bytes
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--budget",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=DEFAULT_BUDGET,
+    show_default=True,
+    help="Largest acceptable share of training time spent waiting for data.",
+)
+@click.option("--fail-over-budget", is_flag=True, help="Exit 1 when the IO-wait share is over --budget (for CI).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+def report(run_dir: Path, budget: float, fail_over_budget: bool, as_json: bool) -> None:
+    """How much of the training run in RUN_DIR was spent waiting for data, against --budget.
+
+    Writes RUN_DIR/report.json and RUN_DIR/report.png (data wait and compute per step, per rank).
+    """
+    result = build_report(run_dir, budget)
+    json_path, png_path = write_report(run_dir, result)
+    if as_json:
+        click.echo(json.dumps(result, indent=1, allow_nan=False))
+    else:
+        Console().print(Group(*_renderables(result)))
+        click.echo(f"report: {json_path}   plot: {png_path}")
+    if fail_over_budget and not result["within_budget"]:
+        click.echo(
+            f"geoshard: IO wait {result['io_wait_share']:.1%} of training time is over the {budget:.1%} budget (--fail-over-budget)",
+            err=True,
+        )
+        sys.exit(1)
+
+
+def render_report(result: Mapping[str, Any], *, width: int = 100) -> str:
+    """The report's tables as plain text (no colour), e.g. for a log at the end of training."""
+    console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
+    console.print(Group(*_renderables(result)))
+    out = console.file
+    assert isinstance(out, io.StringIO)
+    return out.getvalue()
+
+
+def _renderables(r: Mapping[str, Any]) -> list[RenderableType]:
+    share, budget = r["io_wait_share"], r["budget"]
+    ok = r["within_budget"]
+    headline = Text.assemble(
+        "IO wait: ",
+        (f"{share:.1%}", "bold"),
+        f" of training time, budget {budget:.1%}: ",
+        (r["verdict"], "bold green" if ok else "bold red"),
+    )
+    out: list[RenderableType] = [headline, _summary_lines(r), _breakdown_table(r), _ranks_table(r)]
+    if r["tiers"]:
+        out.append(_tiers_table(r))
+    if r["egress_bytes"]:
+        out.append(_egress_table(r))
+    if not r["complete"]:
+        missing = [str(x["rank"]) for x in r["ranks"] if not x["finished"]]
+        found = len(r["ranks"])
+        note = f"incomplete run: {found} of {r['world_size']} ranks found"
+        if missing:
+            note += f"; rank(s) {', '.join(missing)} wrote no rank summary (still running or failed): wall time up to their last step"
+        out.append(Text(note, style="yellow"))
+    return out
+
+
+def _summary_lines(r: Mapping[str, Any]) -> Text:
+    run = f"{r['world_size']} rank(s)" + (f" in {', '.join(r['regions'])}" if r["regions"] else "")
+    run += f", {r['steps']:,} steps" + (f" ({r['step_first']}..{r['step_last']})" if r["step_first"] is not None else "")
+    run += f", {r['samples']:,} samples"
+    if r["loss_first"] is not None and r["loss_last"] is not None:
+        run += f", loss {r['loss_first']:.4g} → {r['loss_last']:.4g}"
+    ttfb = r["time_to_first_batch_s"]
+    start = f"first batch after {duration(ttfb)} (slowest rank), then " if ttfb is not None else "after the first batch: "
+    start += f"IO wait {r['io_wait_share_after_first_batch']:.1%}"
+    return Text(f"{run}\n{start}")
+
+
+def _breakdown_table(r: Mapping[str, Any]) -> Table:
+    b = r["breakdown"]
+    table = Table(title="step time (all ranks)", title_justify="left")
+    for col in ("", "time", "share"):
+        table.add_column(col, justify="left" if not col else "right", no_wrap=True)
+    rows = [
+        ("data wait", "data_wait"),
+        ("compute", "compute"),
+        ("  of which gradient sync", "comm"),
+        ("checkpoint", "checkpoint"),
+        ("other", "other"),
+    ]
+    for label, key in rows:
+        style = "red" if key == "data_wait" and not r["within_budget"] else "dim" if key == "comm" else None
+        table.add_row(label, duration(b[key]["seconds"]), f"{b[key]['share']:.1%}", style=style)
+    table.add_row("wall", duration(b["wall"]["seconds"]), "100.0%", style="bold")
+    return table
+
+
+def _ranks_table(r: Mapping[str, Any]) -> Table:
+    table = Table(title="ranks", title_justify="left")
+    gpu = any(x["gpu_util"] is not None for x in r["ranks"])  # CPU runs: no column of dashes
+    for col in ("rank", "region", "wall", "data wait", "IO wait", "compute", "1st batch", *(("GPU",) if gpu else ())):
+        # Region names are single words: fold rather than cut them when the terminal is narrow.
+        table.add_column(col, justify="left" if col == "region" else "right", no_wrap=col != "region", overflow="fold")
+    for x in r["ranks"]:
+        over = x["io_wait_share"] > r["budget"]
+        row: list[RenderableType] = [
+            str(x["rank"]),
+            x["region"] or "-",
+            duration(x["wall_s"]),
+            duration(x["data_wait_s"]),
+            Text(f"{x['io_wait_share']:.1%}", style="red" if over else "green"),
+            duration(x["compute_s"]),
+            duration(x["time_to_first_batch_s"]) if x["time_to_first_batch_s"] is not None else "-",
+        ]
+        if gpu:
+            row.append(f"{x['gpu_util']:.0%}" if x["gpu_util"] is not None else "-")
+        table.add_row(*row)
+    return table
+
+
+def _tiers_table(r: Mapping[str, Any]) -> Table:
+    # Short headers keep the table within 80 columns; the title says what avg and max are.
+    table = Table(title="loader tiers (all ranks; fetch latency avg and max)", title_justify="left")
+    for col in ("tier", "hits", "bytes", "misses", "errors", "corrupt", "avg", "max"):
+        table.add_column(col, justify="left" if col == "tier" else "right", no_wrap=True)
+    for name, t in r["tiers"].items():
+        table.add_row(
+            name,
+            f"{t['hits']:,}",
+            human_bytes(t["bytes"]),
+            f"{t['misses']:,}",
+            f"{t['errors']:,}",
+            f"{t['verify_failures']:,}",
+            duration(t["fetch_seconds_mean"]),
+            duration(t["fetch_seconds_max"]),
+        )
+    caption = [f"{r['writebacks']:,} write-backs to the local replica"]
+    if r["dropped_samples"]:
+        caption.append(f"{r['dropped_samples']:,} samples dropped")
+    table.caption = ", ".join(caption)
+    table.caption_justify = "left"
+    return table
+
+
+def _egress_table(r: Mapping[str, Any]) -> Table:
+    table = Table(title="cross-region egress", title_justify="left")
+    table.add_column("from bucket")
+    table.add_column("read in")
+    table.add_column("bytes", justify="right")
+    for key, n in r["egress_bytes"].items():
+        source, _, reader = key.partition("->")
+        table.add_row(source, reader, human_bytes(n))
+    return table
+
+
+def duration(seconds: float) -> str:
+    """Seconds as people read them: 850 ms, 12.3 s, 4m 05s, 2h 03m."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    s = round(seconds)
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s // 3600}h {s % 3600 // 60:02d}m"
