@@ -173,17 +173,26 @@ def synth(out: Path, fmt: str, samples: int, sample_bytes: int, shard_samples: i
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-out"), show_default=True)
 @click.option("--samples", type=click.IntRange(min=1), default=20_000, show_default=True)
 @click.option("--workers", type=click.IntRange(min=1), help="Dask workers (default: one per core).")
-def demo(out: Path, samples: int, workers: int | None) -> None:
-    """Synthesize a corpus and split it for an embedded three-region plan."""
+@click.option("--steps", type=click.IntRange(min=1), default=700, show_default=True, help="Training steps (about a minute here).")
+@click.option("--train/--no-train", default=True, help="--no-train: synthesize and split only.")
+def demo(out: Path, samples: int, workers: int | None, steps: int, train: bool) -> None:
+    """The main job on one machine: synthesize, split for three regions, sync to a local S3
+    server, train with 2 DDP ranks in one region through its tier chain, report the IO wait."""
     from geoshard.cli_progress import split_progress, split_table
+    from geoshard.cli_report import render_report
     from geoshard.demo import DemoSettings, run_demo
 
     quiet_dask()
     click.echo(f"geoshard demo: {samples:,} synthetic samples -> three regions under {out}/")
+    settings = DemoSettings(out=out, samples=samples, workers=workers, steps=steps, train=train)
     with split_progress() as progress:
-        plan, result = run_demo(DemoSettings(out=out, samples=samples, workers=workers), progress=progress.update)
-    split_table(result)
-    click.echo(f"plan: {plan.path}   split: {out / 'split'}   next: geoshard verify {out / 'split'}")
+        result = run_demo(settings, progress=progress.update, echo=click.echo)
+    split_table(result.split)
+    if result.report is not None:
+        click.echo(render_report(result.report))
+    timing = "  ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())
+    click.echo(f"plan: {result.plan.path}   split: {out / 'split'}   run: {result.run_dir or '-'}")
+    click.echo(f"stages: {timing}")
 
 
 def _register() -> None:

@@ -1,18 +1,33 @@
-"""The main job on an embedded default: synthesize a corpus, split it for three regions.
+"""The main job on an embedded default, end to end on one machine.
 
-``geoshard demo`` (and ``make demo``) runs it; the plan it uses is written next to the output so
-users can start their own from it.
+1. Synthesize a corpus and split it for three regions (Dask).
+2. Start a local S3 server (SeaweedFS) with one bucket per region and sync each region to it.
+3. Train with DDP in one region, reading through that region's tier chain: its Alluxio address
+   points at a port where nothing runs, so the chain falls back to the (empty) local replica and
+   the region's bucket, and write-back fills the replica for the following epochs.
+4. Report the IO-wait share against the budget.
+
+Everything started here is stopped before returning, also on errors and Ctrl-C. The plan is
+written next to the output so users can start their own from it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from geoshard.errors import GeoshardError
 from geoshard.plan import Plan, parse_plan
 from geoshard.split import SplitResult, SplitSettings, run_split
 from geoshard.split.job import ProgressFn
 from geoshard.synth import SynthSpec, synth
+
+REGION_BUCKETS = {"us-east-1": "geoshard-demo-use1", "eu-west-1": "geoshard-demo-euw1", "ap-southeast-1": "geoshard-demo-apse1"}
 
 DEMO_PLAN = """\
 # geoshard demo plan: three regions, weighted by their share of training compute.
@@ -20,7 +35,7 @@ DEMO_PLAN = """\
 policy = "hash"          # "hash" | "field" | "replicate"
 
 [shards]
-bytes = "16MB"
+bytes = "4MB"
 
 [regions.us-east-1]
 weight = 2
@@ -36,6 +51,10 @@ bucket = "s3://geoshard-demo-apse1/train"
 """
 
 
+class DemoFailed(GeoshardError):
+    exit_code = 1
+
+
 @dataclass(frozen=True)
 class DemoSettings:
     out: Path
@@ -43,14 +62,66 @@ class DemoSettings:
     sample_bytes: int = 3_000
     shard_samples: int = 1_000
     workers: int | None = None
+    train: bool = True  # False: synthesize and split only (the split-only demo of earlier versions)
+    region: str = "eu-west-1"
+    nproc: int = 2
+    steps: int = 700
+    hidden: int = 1024
+    batch_size: int = 32
 
 
-def run_demo(settings: DemoSettings, progress: ProgressFn | None = None) -> tuple[Plan, SplitResult]:
+@dataclass
+class DemoResult:
+    plan: Plan
+    split: SplitResult
+    sync: dict[str, Any] | None = None
+    report: dict[str, Any] | None = None
+    run_dir: Path | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+Echo = Callable[[str], None]
+
+
+def storage_plan(base: str, endpoint: str, region: str, alluxio_port: int, replica: Path) -> str:
+    """The demo plan with the local S3 server's endpoint, and the training region's cache tiers."""
+    lines = []
+    current = None
+    for line in base.splitlines():
+        lines.append(line)
+        if line.startswith("[regions."):
+            current = line[len("[regions.") : -1]
+        if line.startswith("bucket = ") and current:
+            lines.append(f'endpoint = "{endpoint}"')
+            if current == region:
+                lines.append(f'alluxio = "http://127.0.0.1:{alluxio_port}"  # nothing listens here: the chain falls back')
+                lines.append(f'local = "{replica}"')
+    return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    # The local server's generated credentials, for s5cmd and the ranks (children inherit them).
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_demo(settings: DemoSettings, progress: ProgressFn | None = None, echo: Echo = print) -> DemoResult:
     out = settings.out
     out.mkdir(parents=True, exist_ok=True)
     plan_path = out / "plan.toml"
     plan_path.write_text(DEMO_PLAN)
     plan = parse_plan(DEMO_PLAN, source=str(plan_path))
+    seconds: dict[str, float] = {}
+    t0 = time.monotonic()
     corpus = out / "corpus"
     if not (corpus / "train-00000.tar").exists():
         synth(
@@ -58,5 +129,70 @@ def run_demo(settings: DemoSettings, progress: ProgressFn | None = None) -> tupl
                 out=corpus, fmt="wds", samples=settings.samples, sample_bytes=settings.sample_bytes, shard_samples=settings.shard_samples
             )
         )
-    result = run_split([str(corpus)], plan, SplitSettings(out=out / "split", workers=settings.workers, replace=True), progress=progress)
-    return plan, result
+    seconds["synth"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    split = run_split([str(corpus)], plan, SplitSettings(out=out / "split", workers=settings.workers, replace=True), progress=progress)
+    seconds["split"] = time.monotonic() - t0
+    result = DemoResult(plan=plan, split=split, seconds=seconds)
+    if settings.train:
+        _sync_and_train(settings, result, echo)
+    return result
+
+
+def _sync_and_train(settings: DemoSettings, result: DemoResult, echo: Echo) -> None:
+    from geoshard.seaweed import SeaweedS3, closed_port
+    from geoshard.sync.push import SyncSettings
+    from geoshard.sync.push import sync as run_sync
+    from geoshard.trainer.config import TrainConfig
+    from geoshard.trainer.launch import launch
+    from geoshard.trainer.report import build_report
+
+    out, seconds = settings.out, result.seconds
+    replica = (out / f"replica-{settings.region}").resolve()
+    t0 = time.monotonic()
+    server = SeaweedS3((out / "s3").resolve())
+    try:
+        server.start()
+        seconds["s3_start"] = time.monotonic() - t0
+        echo(f"local S3 server (SeaweedFS) on {server.endpoint}, data in {server.root}")
+        text = storage_plan(DEMO_PLAN, server.endpoint, settings.region, closed_port(), replica)
+        plan_path = out / "plan.toml"
+        plan_path.write_text(text)
+        plan = parse_plan(text, source=str(plan_path))
+        result.plan = plan
+        with _environment(server.env(endpoint=False)):
+            t0 = time.monotonic()
+            sync_report = run_sync(out / "split", plan, SyncSettings(create_buckets=True))
+            seconds["sync"] = time.monotonic() - t0
+            result.sync = sync_report.to_dict()
+            if not sync_report.ok:
+                errors = "; ".join(f"{n}: {r.error}" for n, r in sync_report.regions.items() if r.error)
+                raise DemoFailed(f"sync failed: {errors}")
+            uploaded = sum(r.uploaded for r in sync_report.regions.values())
+            echo(f"synced {uploaded} shards to {len(sync_report.regions)} buckets in {seconds['sync']:.1f} s")
+            if replica.exists():  # a rerun starts cold, so the fallback shows again
+                import shutil
+
+                shutil.rmtree(replica)
+            run_dir = out / "run"
+            cfg = TrainConfig(
+                plan=plan_path,
+                out=run_dir,
+                steps=settings.steps,
+                region=settings.region,
+                hidden=settings.hidden,
+                batch_size=settings.batch_size,
+                checkpoint_every=max(1, settings.steps // 4),
+            )
+            echo(f"training: {settings.nproc} DDP ranks in {settings.region}, {settings.steps} steps (torchrun, gloo)")
+            t0 = time.monotonic()
+            code = launch(cfg, settings.nproc)
+            seconds["train"] = time.monotonic() - t0
+            if code != 0:
+                raise DemoFailed(f"training failed (torchrun exit {code}); the ranks' errors are above")
+        result.run_dir = run_dir
+        result.report = build_report(run_dir, cfg.budget)
+    finally:
+        t0 = time.monotonic()
+        server.stop()
+        seconds["s3_stop"] = time.monotonic() - t0

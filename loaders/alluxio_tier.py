@@ -46,6 +46,11 @@ def _timeout_adapter(timeout: float) -> Any:
     return Adapter(pool_connections=16, pool_maxsize=16)
 
 
+# The client warns at every construction that it has no etcd (we name workers directly): quiet it.
+_client_log = logging.getLogger(__name__ + ".client")
+_client_log.setLevel(logging.ERROR)
+
+
 class AlluxioTier:
     kind = "alluxio"
 
@@ -59,7 +64,7 @@ class AlluxioTier:
         self.region, self.url, self.ufs_root = region, url, ufs_root.rstrip("/")
         self.name = f"alluxio:{region}" if region else f"alluxio:{url}"
         options = {_PAGE_SIZE_OPTION: page_size} if page_size else {}
-        self.fs = _client_class()(worker_hosts=hosts, worker_http_port=int(port), options=options, logger=logging.getLogger(__name__))
+        self.fs = _client_class()(worker_hosts=hosts, worker_http_port=int(port), options=options, logger=_client_log)
         adapter = _timeout_adapter(timeout_s)
         self.fs.session.mount("http://", adapter)
         self.fs.session.mount("https://", adapter)

@@ -70,6 +70,16 @@ class TierChain:
         self._down_until: dict[str, float] = {}
         self.local = next((t for t in self.tiers if isinstance(t, WritableTier)), None)
 
+    def cooldowns(self) -> dict[str, float]:
+        """Tiers cooling down, until when (monotonic clock: the same in every process of a host)."""
+        now = self._clock()
+        return {name: until for name, until in self._down_until.items() if until > now}
+
+    def note_cooldowns(self, cooldowns: dict[str, float]) -> None:
+        """Adopt what another process (a DataLoader worker) learned about failing tiers."""
+        for name, until in cooldowns.items():
+            self._down_until[name] = max(self._down_until.get(name, 0.0), until)
+
     def healthy(self, tier: Tier) -> bool:
         return self._clock() >= self._down_until.get(tier.name, 0.0)
 
@@ -107,6 +117,7 @@ class TierChain:
                 failures.append(str(e))
                 continue
             except TierError as e:
+                self.stats.count(tier.name, "errors")
                 self._down_until[tier.name] = self._clock() + self.settings.cooldown_s
                 failures.append(str(e))
                 continue

@@ -26,13 +26,20 @@ from geoshard.loaders.stats import LoaderStats
 from torch.utils.data import IterableDataset, get_worker_info
 
 from geoshard.env import Environment, read_environment
-from geoshard.errors import ConfigError
+from geoshard.errors import ConfigError, GeoshardError
 from geoshard.manifest import RegionManifest
 from geoshard.plan import Plan, load_plan
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
 _STATS_EVERY_S = 1.0  # how often a DataLoader worker ships its counters with a batch
+
+
+class WorkerFailure:
+    """A geoshard error raised in a DataLoader worker, carried to the training process intact."""
+
+    def __init__(self, error: GeoshardError) -> None:
+        self.error = error
 
 
 def resolve_region(region: str | None, env: Environment) -> str:
@@ -264,7 +271,13 @@ class RegionalDataset(IterableDataset[Any]):
                 stats = None
                 if i == last or time.monotonic() - shipped >= _STATS_EVERY_S:
                     stats, shipped = chain.stats.snapshot(), time.monotonic()
+                    stats["cooldowns"] = chain.cooldowns()
                 yield worker, n, stats, item
+        except GeoshardError as e:
+            if not self._tagged or count:
+                raise
+            # DataLoader would re-raise it wrapped in a worker traceback; the loader raises it as is.
+            yield worker, 0, None, WorkerFailure(e)
         finally:
             prefetcher.close()
 

@@ -3,7 +3,8 @@ workers, tracks what the training loop consumed (for exact resume) and gathers t
 counters; and ``timed``, which measures how long the consumer waits for each batch.
 
 Batches are collated in the workers so each crosses the process boundary as one pickled object.
-DataLoader hands out worker results round-robin, skipping exhausted workers; a resumed epoch
+Tiers a worker found failing stay cooled down for the workers of the next epoch, which fork
+from the training process. DataLoader hands out worker results round-robin, skipping exhausted workers; a resumed epoch
 rotates which logical worker each process plays so that the rest of the stream comes out in the
 original order.
 """
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from geoshard.loaders.dataset import RegionalDataset
+from geoshard.loaders.dataset import RegionalDataset, WorkerFailure
 from geoshard.loaders.stats import merge_snapshots
 from torch.utils.data import DataLoader
 
@@ -47,9 +48,13 @@ class RegionalLoader(DataLoader[Any]):
         ds = self.dataset
         counting = self.num_workers > 0  # in the main process the dataset counts for itself
         for worker, n, stats, item in it:
+            if isinstance(item, WorkerFailure):
+                raise item.error
             if counting:
                 ds.record(worker, n)
             if stats is not None:
+                # The next epoch's workers fork from this process: they inherit what failed.
+                ds.chain().note_cooldowns(stats.pop("cooldowns", {}))
                 self._current[worker] = stats
             yield item
 
@@ -64,9 +69,8 @@ class RegionalLoader(DataLoader[Any]):
 
     def stats(self) -> dict[str, Any]:
         """Tier counters of every worker so far, plus the epoch's remainder."""
-        snaps = [*self._finished, *self._current.values()]
-        if self.num_workers == 0:
-            snaps.append(self.dataset.chain().stats.snapshot())
+        # This process's own chain read the manifest (and, without workers, everything).
+        snaps = [*self._finished, *self._current.values(), self.dataset.chain().stats.snapshot()]
         out = merge_snapshots(snaps)
         out.update(self.dataset.remainder())
         out["epoch"] = self.dataset.epoch

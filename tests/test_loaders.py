@@ -296,3 +296,13 @@ def test_the_package_exports_what_it_lists() -> None:
 
     assert sorted(pkg.__all__) == sorted(pkg._WHERE)
     assert all(getattr(pkg, name) is not None for name in pkg.__all__)
+
+
+def test_a_worker_error_reaches_the_loop_as_one_line(tmp_path: Path) -> None:
+    plan = split(tmp_path, samples=300)
+    folder = tmp_path / "split" / EU
+    for s in read_region_manifest(folder).shards:
+        (folder / s.path).unlink()
+    with pytest.raises(AllTiersFailed) as e:
+        list(make_loader(plan, region=EU, batch_size=8, num_workers=2))
+    assert "\n" not in str(e.value) and "Traceback" not in str(e.value) and str(e.value).startswith("shard ")

@@ -2,8 +2,8 @@
 
 fp16 halves the bytes each step puts on a long cross-region link; near convergence the rounding
 matters more than the bandwidth, so the hook switches to fp32 from ``fp32_after_step`` on. The
-time from a bucket's hand-off to its reduced result is summed per step: that is gradient-sync
-time, which overlaps the backward pass.
+time from the first bucket's hand-off to the last reduced result is the step's gradient-sync
+time; it overlaps the backward pass.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
@@ -19,20 +19,29 @@ class CommState:
     compression: str = "none"  # "none" | "fp16"
     fp32_after_step: int | None = None
     step: int = 0
-    seconds: float = 0.0  # gradient-sync time of the current step
     buckets: int = 0
+    first_start: float | None = None  # buckets overlap: the step's sync time is first hand-off to last result
+    last_done: float = 0.0
     group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     def fp16_now(self) -> bool:
         return self.compression == "fp16" and (self.fp32_after_step is None or self.step < self.fp32_after_step)
 
+    @property
+    def seconds(self) -> float:
+        return 0.0 if self.first_start is None else max(0.0, self.last_done - self.first_start)
+
     def take(self) -> float:
-        s, self.seconds, self.buckets = self.seconds, 0.0, 0
+        """The step's gradient-sync time; resets for the next step."""
+        s = self.seconds
+        self.first_start, self.last_done, self.buckets = None, 0.0, 0
         return s
 
 
 def timed_allreduce_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     t0 = time.perf_counter()
+    if state.first_start is None:
+        state.first_start = t0
     buf = bucket.buffer()
     world = dist.get_world_size(state.group)
     fp16 = state.fp16_now() and buf.dtype == torch.float32
@@ -44,7 +53,7 @@ def timed_allreduce_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
         out = f.value()[0]
         if fp16:
             buf.copy_(out)
-        state.seconds += time.perf_counter() - t0
+        state.last_done = max(state.last_done, time.perf_counter())
         state.buckets += 1
         return buf
 

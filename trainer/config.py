@@ -27,6 +27,7 @@ class TrainConfig:
     batch_size: int = 32
     accum_steps: int = 1
     lr: float = 0.05
+    hidden: int = 128  # width of the model's hidden layers: the compute per step
     seed: int = 0
     num_workers: int = 2
     prefetch: int = 2
@@ -47,7 +48,7 @@ class TrainConfig:
     allow_cross_region: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "accum_steps", "checkpoint_every", "checkpoint_keep"):
+        for name in ("steps", "batch_size", "accum_steps", "checkpoint_every", "checkpoint_keep", "hidden"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.backend not in BACKENDS:

@@ -26,7 +26,7 @@ from geoshard.trainer.checkpoint import CheckpointStore
 from geoshard.trainer.comm import CommState, timed_allreduce_hook
 from geoshard.trainer.config import TrainConfig
 from geoshard.trainer.metrics import Metrics
-from geoshard.trainer.model import Net, collate
+from geoshard.trainer.model import Net, collate, to_tensors
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any]:
     cfg.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
 
-    model = Net().to(device)
+    model = Net(cfg.hidden).to(device)
     ddp = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     comm = CommState(cfg.grad_compression, cfg.fp32_after)
     ddp.register_comm_hook(comm, timed_allreduce_hook)
@@ -130,7 +130,6 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any]:
         prefetch=cfg.prefetch,
         shuffle_buffer=cfg.shuffle_buffer,
         allow_cross_region=cfg.allow_cross_region,
-        pin_memory=device.type == "cuda",
     )
     store = CheckpointStore(cfg.checkpoint_target, keep=cfg.checkpoint_keep, endpoint_url=cfg.checkpoint_endpoint)
     step = 0
@@ -197,7 +196,7 @@ def _loop(
             wait += t1 - t0
             if first_batch is None:
                 first_batch = t1 - t_loop
-            x, y = batch["x"].to(device, non_blocking=True), batch["y"].to(device, non_blocking=True)
+            x, y = to_tensors(batch, device)
             loss_sum += forward_backward(ddp, x, y, cfg.accum_steps, last=micro == cfg.accum_steps - 1)
             n += len(y)
             keys += batch["keys"]

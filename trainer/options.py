@@ -19,6 +19,7 @@ _OPTIONS = [
     click.option("--batch-size", default=32, show_default=True, type=int, help="Samples per micro-batch and rank."),
     click.option("--accum-steps", default=1, show_default=True, type=int, help="Micro-batches per optimizer step (2-4 on long links)."),
     click.option("--lr", default=0.05, show_default=True, type=float),
+    click.option("--hidden", default=128, show_default=True, type=int, help="Width of the model's two hidden layers."),
     click.option("--seed", default=0, show_default=True, type=int),
     click.option("--num-workers", default=2, show_default=True, type=int, help="DataLoader workers per rank."),
     click.option("--prefetch", default=2, show_default=True, type=int, help="Shards fetched ahead per worker."),
