@@ -125,7 +125,7 @@ class RegionalDataset(IterableDataset[Any]):
         self._next_worker = 0
         self._resume: tuple[list[int], int] | None = None
         self._tagged = False  # set by RegionalLoader: items carry the worker's identity and counters
-        self._worker_start: tuple[list[int], int] | None = None  # what forked workers start from
+        self._worker_start: tuple[list[int], int, int] | None = None  # (skips, rotation, epoch) for forked workers
 
     # -- process-local state ------------------------------------------------------------
     def chain(self) -> TierChain:
@@ -216,18 +216,18 @@ class RegionalDataset(IterableDataset[Any]):
         info = get_worker_info()
         if info is None:  # the main process: one logical worker, counted here
             skip, _ = self._start(1)
-            return self._generate(0, 1, skip[0], count=True)
+            return self._generate(0, 1, skip[0], count=True, epoch=self.epoch)
         # A DataLoader worker: the loader started the iteration in the main process before forking.
-        skip, rotation = self._worker_start or ([0] * info.num_workers, 0)
+        skip, rotation, epoch = self._worker_start or ([0] * info.num_workers, 0, self.epoch)
         if len(skip) != info.num_workers:  # a plain DataLoader, not make_loader's: no resume
             skip, rotation = [0] * info.num_workers, 0
         worker = (info.id + rotation) % info.num_workers
-        return self._generate(worker, info.num_workers, skip[worker], count=False)
+        return self._generate(worker, info.num_workers, skip[worker], count=False, epoch=epoch)
 
-    def _generate(self, worker: int, num_workers: int, skip: int, count: bool) -> Iterator[Any]:
+    def _generate(self, worker: int, num_workers: int, skip: int, count: bool, epoch: int) -> Iterator[Any]:
         layout = dataclasses.replace(self.layout, num_workers=num_workers)
-        plan = rank_plan(self._counts, self.epoch, layout)
-        shards, idx = plan.worker_stream(worker, layout, self.epoch)
+        plan = rank_plan(self._counts, epoch, layout)
+        shards, idx = plan.worker_stream(worker, layout, epoch)
         shard_ids, indices = shards[skip:].tolist(), idx[skip:].tolist()
         last_use = {s: i for i, s in enumerate(shard_ids)}
         order = list(dict.fromkeys(shard_ids))

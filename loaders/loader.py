@@ -26,26 +26,58 @@ from geoshard.plan import Plan
 class RegionalLoader(DataLoader[Any]):
     dataset: RegionalDataset
 
-    def __init__(self, dataset: RegionalDataset, num_workers: int = 2, **kwargs: Any) -> None:
+    def __init__(self, dataset: RegionalDataset, num_workers: int = 2, lookahead: int = 16, **kwargs: Any) -> None:
         dataset._tagged = True
         super().__init__(dataset, batch_size=None, num_workers=num_workers, **kwargs)
-        self._finished: list[dict[str, Any]] = []  # counters of workers of earlier iterations
-        self._current: dict[int, dict[str, Any]] = {}
+        self.lookahead = lookahead  # batches before an epoch's end at which stream() starts the next one
+        self._snapshots: dict[tuple[int, int], dict[str, Any]] = {}  # (iteration, worker) -> its latest counters
+        self._iterations = 0
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        """One epoch: the dataset's current one (or the rest of it, after ``load_state_dict``)."""
+        ds = self.dataset
+        skip, rotation = ds._start(max(self.num_workers, 1)) if self.num_workers else ([0], 0)
+        return self._unwrap(self._spawn(skip, rotation, ds.epoch))
+
+    def stream(self) -> Iterator[Any]:
+        """Batches epoch after epoch, without end (``set_epoch`` is done here).
+
+        ``lookahead`` batches before an epoch ends, the next epoch's workers start, so its first
+        shards are fetched while this epoch drains instead of after it: no stall at the boundary.
+        """
+        it = iter(self)
+        while True:
+            ds = self.dataset
+            left = len(ds) - self._taken()
+            nxt: Iterator[Any] | None = None
+            for item in it:
+                yield item
+                left -= 1
+                if nxt is None and self.num_workers and left <= self.lookahead:
+                    nxt = self._spawn([0] * self.num_workers, 0, ds.epoch + 1)
+            ds.set_epoch(ds.epoch + 1)
+            ds._start(max(self.num_workers, 1))  # the consumer's position: the new epoch's start
+            it = self._unwrap(nxt) if nxt is not None else iter(self)
+
+    def _taken(self) -> int:
+        """Items of the current epoch already handed out."""
+        bs = self.dataset.layout.batch_size if self.dataset.batched else 1
+        return sum(-(-c // bs) for c in self.dataset._consumed)
+
+    def _spawn(self, skip: list[int], rotation: int, epoch: int) -> Iterator[Any]:
         ds = self.dataset
         if self.num_workers == 0:
-            it = super().__iter__()
-        else:
-            ds._worker_start = ds._start(self.num_workers)
-            it = super().__iter__()  # forks the workers, which take _worker_start with them
+            return super().__iter__()
+        ds._worker_start = (skip, rotation, epoch)
+        try:
+            return super().__iter__()  # forks the workers, which take _worker_start with them
+        finally:
             ds._worker_start = None
-        self._finished.extend(self._current.values())
-        self._current = {}
-        return self._unwrap(it)
 
     def _unwrap(self, it: Iterator[Any]) -> Iterator[Any]:
         ds = self.dataset
+        self._iterations += 1
+        iteration = self._iterations
         counting = self.num_workers > 0  # in the main process the dataset counts for itself
         for worker, n, stats, item in it:
             if isinstance(item, WorkerFailure):
@@ -55,7 +87,7 @@ class RegionalLoader(DataLoader[Any]):
             if stats is not None:
                 # The next epoch's workers fork from this process: they inherit what failed.
                 ds.chain().note_cooldowns(stats.pop("cooldowns", {}))
-                self._current[worker] = stats
+                self._snapshots[(iteration, worker)] = stats
             yield item
 
     def set_epoch(self, epoch: int) -> None:
@@ -70,7 +102,7 @@ class RegionalLoader(DataLoader[Any]):
     def stats(self) -> dict[str, Any]:
         """Tier counters of every worker so far, plus the epoch's remainder."""
         # This process's own chain read the manifest (and, without workers, everything).
-        snaps = [*self._finished, *self._current.values(), self.dataset.chain().stats.snapshot()]
+        snaps = [*self._snapshots.values(), self.dataset.chain().stats.snapshot()]
         out = merge_snapshots(snaps)
         out.update(self.dataset.remainder())
         out["epoch"] = self.dataset.epoch
@@ -86,11 +118,12 @@ def make_loader(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     pin_memory: bool = False,
     timeout: float = 0,
+    lookahead: int = 16,
     **dataset_kwargs: Any,
 ) -> RegionalLoader:
     """A DataLoader of batches of this rank's share of ``region``; see ``RegionalDataset`` for the rest."""
     ds = RegionalDataset(plan, region, batch_size=batch_size, collate_fn=collate_fn, **dataset_kwargs)
-    return RegionalLoader(ds, num_workers=num_workers, pin_memory=pin_memory, timeout=timeout)
+    return RegionalLoader(ds, num_workers=num_workers, lookahead=lookahead, pin_memory=pin_memory, timeout=timeout)
 
 
 class Timed:

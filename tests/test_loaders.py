@@ -306,3 +306,29 @@ def test_a_worker_error_reaches_the_loop_as_one_line(tmp_path: Path) -> None:
     with pytest.raises(AllTiersFailed) as e:
         list(make_loader(plan, region=EU, batch_size=8, num_workers=2))
     assert "\n" not in str(e.value) and "Traceback" not in str(e.value) and str(e.value).startswith("shard ")
+
+
+def test_stream_runs_epoch_after_epoch_and_resumes_inside_it(wds_plan: Path) -> None:
+    def loader() -> Any:
+        return make_loader(wds_plan, region=EU, batch_size=16, num_workers=2, seed=4, shuffle_buffer=50, lookahead=3)
+
+    per_epoch = []
+    for epoch in range(3):
+        one = loader()
+        one.set_epoch(epoch)
+        per_epoch += [b["__key__"] for b in one]
+    streamed = loader()
+    it = streamed.stream()
+    got = [next(it)["__key__"] for _ in range(len(per_epoch))]
+    assert got == per_epoch and streamed.dataset.epoch == 2
+    # Stop in the second epoch, inside the lookahead window of its end, and resume.
+    run = loader()
+    it = run.stream()
+    stop = len(run) + len(run) - 2
+    head = [next(it)["__key__"] for _ in range(stop)]
+    state = run.state_dict()
+    assert state["epoch"] == 1
+    resumed = loader()
+    resumed.load_state_dict(state)
+    rest = resumed.stream()
+    assert head + [next(rest)["__key__"] for _ in range(len(per_epoch) - stop)] == per_epoch

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -28,6 +27,8 @@ from geoshard.trainer.config import TrainConfig
 from geoshard.trainer.metrics import Metrics
 from geoshard.trainer.model import Net, collate, to_tensors
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from geoshard.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -55,25 +56,6 @@ def gpu_utilization() -> float | None:
         return float(torch.cuda.utilization())
     except Exception:  # needs NVML (pynvml); absent on some images
         return None
-
-
-class _Batches:
-    """Batches forever: a finished epoch starts the next one (``set_epoch``), as long runs do."""
-
-    def __init__(self, loader: RegionalLoader) -> None:
-        self.loader = loader
-        self._it: Iterator[Any] | None = None
-
-    def next(self) -> Any:
-        for _ in range(3):  # an epoch that was already finished when resumed yields nothing
-            if self._it is None:
-                self._it = iter(self.loader)
-            try:
-                return next(self._it)
-            except StopIteration:
-                self._it = None
-                self.loader.set_epoch(self.loader.dataset.epoch + 1)
-        raise RuntimeError("the loader yields no batches: this rank's share of the region is empty")
 
 
 def forward_backward(ddp: DDP, x: torch.Tensor, y: torch.Tensor, accum_steps: int, last: bool) -> float:
@@ -175,7 +157,9 @@ def _loop(
     keys_log: TextIO | None,
     device: torch.device,
 ) -> dict[str, Any]:
-    batches = _Batches(loader)
+    if len(loader) == 0:
+        raise DataError(f"rank {rank}: this rank's share of region {loader.dataset.region} is empty")
+    batches = loader.stream()  # epoch after epoch; the next epoch's workers start before this one ends
     clock = time.perf_counter
     t_loop = clock()
     first_batch: float | None = None
@@ -191,7 +175,7 @@ def _loop(
         comm.step = step
         for micro in range(cfg.accum_steps):
             t0 = clock()
-            batch = batches.next()
+            batch = next(batches)
             t1 = clock()
             wait += t1 - t0
             if first_batch is None:
