@@ -65,8 +65,8 @@ class DemoSettings:
     train: bool = True  # False: synthesize and split only (the split-only demo of earlier versions)
     region: str = "eu-west-1"
     nproc: int = 2
-    steps: int = 700
-    hidden: int = 1024
+    steps: int = 600
+    hidden: int = 2048
     batch_size: int = 32
 
 

@@ -117,6 +117,7 @@ class RegionalDataset(IterableDataset[Any]):
             self.settings = dataclasses.replace(self.settings, allow_cross_region=allow_cross_region)
         self.epoch = 0
         self._chain: TierChain | None = None
+        self._inherited_cooldowns: dict[str, float] = {}
         self.manifest = manifest or self.chain().read_manifest()
         self.decoder = make_decoder(decode, self.manifest.format)
         self._counts = [s.samples for s in self.manifest.shards]
@@ -131,11 +132,13 @@ class RegionalDataset(IterableDataset[Any]):
     def chain(self) -> TierChain:
         if self._chain is None:
             self._chain = build_chain(self.plan, self.region, self.settings, LoaderStats())
+            self._chain.note_cooldowns(self._inherited_cooldowns)
         return self._chain
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_chain"] = None  # clients and sessions are per process
+        state["_chain"] = None  # clients and sessions are per process; what failed is not
+        state["_inherited_cooldowns"] = self._chain.cooldowns() if self._chain is not None else {}
         return state
 
     # -- epochs, length, state ----------------------------------------------------------
@@ -218,6 +221,11 @@ class RegionalDataset(IterableDataset[Any]):
             skip, _ = self._start(1)
             return self._generate(0, 1, skip[0], count=True, epoch=self.epoch)
         # A DataLoader worker: the loader started the iteration in the main process before forking.
+        if self._chain is not None:
+            # Forked with the training process's chain: its pooled connections are shared with the
+            # parent and the sibling workers (responses would cross). Build our own, keep what failed.
+            self._inherited_cooldowns = self._chain.cooldowns()
+            self._chain = None
         skip, rotation, epoch = self._worker_start or ([0] * info.num_workers, 0, self.epoch)
         if len(skip) != info.num_workers:  # a plain DataLoader, not make_loader's: no resume
             skip, rotation = [0] * info.num_workers, 0

@@ -23,12 +23,18 @@ from torch.utils.data import DataLoader
 from geoshard.plan import Plan
 
 
+def _as_is(item: Any) -> Any:
+    return item
+
+
 class RegionalLoader(DataLoader[Any]):
     dataset: RegionalDataset
 
     def __init__(self, dataset: RegionalDataset, num_workers: int = 2, lookahead: int = 16, **kwargs: Any) -> None:
         dataset._tagged = True
-        super().__init__(dataset, batch_size=None, num_workers=num_workers, **kwargs)
+        # collate_fn: items pass as the workers made them (DataLoader would turn numpy arrays into
+        # tensors, which cross processes through a shared-memory segment each: slow for small ones).
+        super().__init__(dataset, batch_size=None, num_workers=num_workers, collate_fn=_as_is, **kwargs)
         self.lookahead = lookahead  # batches before an epoch's end at which stream() starts the next one
         self._snapshots: dict[tuple[int, int], dict[str, Any]] = {}  # (iteration, worker) -> its latest counters
         self._iterations = 0
@@ -54,6 +60,8 @@ class RegionalLoader(DataLoader[Any]):
                 yield item
                 left -= 1
                 if nxt is None and self.num_workers and left <= self.lookahead:
+                    # (Forking in a helper thread would hide its tens of ms, but workers forked off a
+                    # non-main thread die at start-up here; DataLoader expects the main thread.)
                     nxt = self._spawn([0] * self.num_workers, 0, ds.epoch + 1)
             ds.set_epoch(ds.epoch + 1)
             ds._start(max(self.num_workers, 1))  # the consumer's position: the new epoch's start

@@ -39,6 +39,8 @@ def torchrun_argv(cfg: TrainConfig, nproc: int, max_restarts: int = 0, master_po
 def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0, env: Mapping[str, str] | None = None) -> int:
     """Run the job to the end; torchrun's exit status. ``env`` adds variables for the ranks."""
     argv = torchrun_argv(cfg, nproc, max_restarts)
-    full_env = {**os.environ, **(env or {})}
+    # PYTHONSAFEPATH: `-m geoshard.trainer` must import the installed package, not a geoshard/
+    # source folder that happens to be in the current directory (a checkout of this repository).
+    full_env = {**os.environ, "PYTHONSAFEPATH": "1", **(env or {})}
     # An argv list, no shell: nothing the user passes is interpreted.
     return subprocess.run(argv, env=full_env, check=False).returncode  # noqa: S603
