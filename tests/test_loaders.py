@@ -332,3 +332,23 @@ def test_stream_runs_epoch_after_epoch_and_resumes_inside_it(wds_plan: Path) -> 
     resumed.load_state_dict(state)
     rest = resumed.stream()
     assert head + [next(rest)["__key__"] for _ in range(len(per_epoch) - stop)] == per_epoch
+
+
+def test_workers_reading_s3_do_not_share_the_parents_connections(tmp_path: Path, aws: SeaweedS3) -> None:
+    # The training process reads the manifest from the bucket (a pooled keep-alive connection);
+    # forked workers that reused it would read each other's responses (wrong shards, caught by sha256).
+    bucket = f"gs-fork-{time.time_ns() % 10**9}"
+    aws.make_bucket(bucket)
+    plan = split(tmp_path, samples=1500)
+    folder = tmp_path / "split" / EU
+    with contextlib.closing(aws.client()) as c:
+        for f in folder.iterdir():
+            c.put_object(Bucket=bucket, Key=f"train/{f.name}", Body=f.read_bytes())
+    plan.write_text(plan.read_text().replace(f'local = "{folder}"', f'bucket = "s3://{bucket}/train"\nendpoint = "{aws.endpoint}"'))
+    loader = make_loader(plan, region=EU, batch_size=8, num_workers=2, prefetch=3, allow_cross_region=False)
+    want = sorted(keys(region_samples(folder, "wds")))
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        assert sorted(k for b in loader for k in b["__key__"]) == want
+    s3 = loader.stats()["tiers"][f"s3:{EU}"]
+    assert s3["verify_failures"] == 0 and s3["errors"] == 0 and s3["hits"] >= 2 * len(read_region_manifest(folder).shards)
