@@ -209,8 +209,10 @@ def parse_region_manifest(data: bytes, name: str) -> RegionManifest:
         raise DataError(f"{name}: unreadable manifest: {e}") from e
 
 
-def write_atomic(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see either the old or the new file, never a part."""
+def write_atomic(path: str | Path, data: bytes, sync_dir: bool = False) -> None:
+    """Write ``data`` to ``path`` so that readers see either the old or the new file, never a part.
+
+    ``sync_dir`` also makes the rename durable (fsync of the folder) before returning."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
@@ -223,3 +225,9 @@ def write_atomic(path: str | Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if sync_dir:
+        dfd = os.open(p.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)

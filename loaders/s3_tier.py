@@ -7,6 +7,8 @@ from typing import Any
 
 from geoshard.loaders.tier import TierError, TierMissing
 
+from geoshard.endpoints import display_endpoint
+
 _MISSING = ("NoSuchKey", "404", "NotFound", "NoSuchBucket")
 
 
@@ -46,7 +48,7 @@ class S3Tier:
     def _fail(self, path: str, e: Exception) -> TierError:
         from botocore.exceptions import ClientError
 
-        where = f"{self.name} (s3://{self.bucket}/{self._key(path)} at {self.endpoint or 'AWS'})"
+        where = f"{self.name} (s3://{self.bucket}/{self._key(path)} at {display_endpoint(self.endpoint)})"
         if isinstance(e, ClientError):
             code = str(e.response.get("Error", {}).get("Code", "?"))
             if code in _MISSING:

@@ -26,15 +26,16 @@ import json
 import logging
 import os
 import re
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
+from geoshard.endpoints import display_endpoint
 from geoshard.errors import ConfigError, DataError, StorageError
+from geoshard.manifest import write_atomic
 from geoshard.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
@@ -58,18 +59,6 @@ _PERMANENT = {
 
 def checkpoint_name(step: int) -> str:
     return f"ckpt-{step:09d}.pt"
-
-
-def _display_endpoint(endpoint: str | None) -> str:
-    """The endpoint as safe to print: no user:password, query or fragment.
-
-    The same rule as geoshard.sync.s5cmd's; the trainer may not import the sync code.
-    """
-    if not endpoint:
-        return "the default AWS endpoint"
-    u = urlsplit(endpoint)
-    host = f"[{u.hostname}]" if u.hostname and ":" in u.hostname else u.hostname or ""
-    return urlunsplit((u.scheme, f"{host}:{u.port}" if u.port else host, u.path, "", ""))
 
 
 @dataclass(frozen=True)
@@ -104,23 +93,8 @@ class _LocalDir:
         self.where = str(root)
 
     def put(self, name: str, data: bytes) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{name}.", suffix=".partial")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.root / name)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
         # The rename itself must survive a power cut before the pointer names the file.
-        dfd = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        write_atomic(self.root / name, data, sync_dir=True)
 
     def get(self, name: str) -> bytes | None:
         try:
@@ -145,7 +119,7 @@ class _S3Prefix:
         from botocore.exceptions import ProfileNotFound
 
         self.bucket, self.prefix = bucket, prefix.strip("/")
-        self.where = f"s3://{bucket}/{self.prefix} at {_display_endpoint(endpoint_url)}"
+        self.where = f"s3://{bucket}/{self.prefix} at {display_endpoint(endpoint_url)}"
         try:
             session = boto3.session.Session(profile_name=profile) if profile else boto3.session.Session()
         except ProfileNotFound as e:
@@ -223,9 +197,9 @@ class CheckpointStore:
         if endpoint_url is not None:
             parts = urlsplit(endpoint_url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ConfigError(f"{_display_endpoint(endpoint_url)}: a checkpoint endpoint must be http://HOST[:PORT] or https://...")
+                raise ConfigError(f"{display_endpoint(endpoint_url)}: a checkpoint endpoint must be http://HOST[:PORT] or https://...")
             if parts.username is not None or parts.password is not None:
-                shown = _display_endpoint(endpoint_url)
+                shown = display_endpoint(endpoint_url)
                 raise ConfigError(f"{shown}: remove user:password@ from the endpoint URL; pass credentials in env")
         self.keep = keep
         self.backoff = backoff or Backoff()

@@ -39,10 +39,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from geoshard.endpoints import display_endpoint
 from geoshard.plan import Plan, Region
 from geoshard.sources import s3_client
 from geoshard.sync.remote import MANIFEST, BucketTarget
-from geoshard.sync.s5cmd import display_endpoint
 
 log = logging.getLogger(__name__)
 

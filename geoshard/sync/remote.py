@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from geoshard.endpoints import display_endpoint
 from geoshard.errors import ConfigError, StorageError
 from geoshard.plan import Region
 from geoshard.sources import s3_client
-from geoshard.sync.s5cmd import display_endpoint
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"

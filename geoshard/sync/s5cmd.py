@@ -25,8 +25,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
+from geoshard.endpoints import display_endpoint
 from geoshard.errors import ConfigError, StorageError
 
 log = logging.getLogger(__name__)
@@ -246,18 +247,6 @@ class RunOutput:
     def json_lines(self) -> list[dict[str, Any]]:
         """stdout's JSON lines (``ls``, ``du``...); other lines are skipped."""
         return [d for d in map(_json_or_none, self.stdout.decode("utf-8", "replace").splitlines()) if d is not None]
-
-
-def display_endpoint(endpoint: str | None) -> str:
-    """The endpoint as safe to print: no user:password part, query or fragment."""
-    if not endpoint:
-        return "the default AWS endpoint"
-    u = urlsplit(endpoint)
-    host = u.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{host}:{u.port}" if u.port else host
-    return urlunsplit((u.scheme, netloc, u.path, "", ""))
 
 
 @functools.cache
