@@ -35,8 +35,16 @@ pytest: $(BIN)/.installed $(TFVENV)/.installed
 
 test: lint typecheck pytest
 
-bench: $(BIN)/.installed
+$(BIN)/.bench-installed: $(BIN)/.installed
+	$(BIN)/python -m pip install $(PIP_FLAGS) --config-settings editable_mode=strict -e '.[test,bench]'
+	$(BIN)/python -m pip check
+	touch $@
+
+bench: $(BIN)/.bench-installed
 	$(BIN)/python bench/split_bench.py
+	$(BIN)/python bench/sync_bench.py
+	$(BIN)/python bench/loader_bench.py
+	$(BIN)/python bench/iowait_bench.py
 
 clean:
 	rm -rf demo-out build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -32,7 +32,7 @@ from geoshard.plan import Plan, load_plan
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
-_STATS_EVERY_S = 1.0  # how often a DataLoader worker ships its counters with a batch
+_STATS_EVERY_S = 0.25  # how often a DataLoader worker ships its counters with a batch
 
 
 class WorkerFailure:

@@ -92,7 +92,7 @@ class RegionalLoader(DataLoader[Any]):
                 raise item.error
             if counting:
                 ds.record(worker, n)
-            if stats is not None:
+            if stats is not None and counting:  # without workers, stats() reads this process's chain directly
                 # The next epoch's workers fork from this process: they inherit what failed.
                 ds.chain().note_cooldowns(stats.pop("cooldowns", {}))
                 self._snapshots[(iteration, worker)] = stats

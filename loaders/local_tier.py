@@ -6,6 +6,7 @@ shards are evicted to make room, so write-back from S3 never fills the disk.
 
 from __future__ import annotations
 
+import mmap
 import os
 import tempfile
 import threading
@@ -40,6 +41,23 @@ class LocalTier:
         p = self._path(path)
         try:
             data = p.read_bytes()
+        except FileNotFoundError:
+            raise TierMissing(f"{self.name}: {path} not in the replica") from None
+        except OSError as e:
+            raise TierError(f"{self.name}: cannot read {p}: {e.strerror}") from e
+        os.utime(p)  # recency for eviction
+        return data
+
+    def map(self, path: str) -> bytes | mmap.mmap:
+        """The shard memory-mapped: no copy into the process before its samples are cut out.
+
+        Safe because replica files are only ever renamed over or unlinked, never truncated in place
+        (a truncated mapping would fault)."""
+        p = self._path(path)
+        try:
+            with open(p, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                data: bytes | mmap.mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         except FileNotFoundError:
             raise TierMissing(f"{self.name}: {path} not in the replica") from None
         except OSError as e:

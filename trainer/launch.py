@@ -26,10 +26,12 @@ def torchrun_argv(cfg: TrainConfig, nproc: int, max_restarts: int = 0, master_po
         str(nproc),
         "--max-restarts",
         str(max_restarts),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(master_port or free_port()),
+        # c10d rendezvous, not the static master address: after a restart the static handler hands the
+        # new ranks the old TCPStore, where they find the dead rank's gloo address (pytorch#135712).
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{master_port or free_port()}",
         "-m",
         "geoshard.trainer",
         *cfg.to_argv(),
@@ -41,6 +43,7 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0, env: Mapping[str
     argv = torchrun_argv(cfg, nproc, max_restarts)
     # PYTHONSAFEPATH: `-m geoshard.trainer` must import the installed package, not a geoshard/
     # source folder that happens to be in the current directory (a checkout of this repository).
-    full_env = {**os.environ, "PYTHONSAFEPATH": "1", **(env or {})}
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: restarted ranks get a fresh store (see torchrun_argv).
+    full_env = {**os.environ, "PYTHONSAFEPATH": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
     # An argv list, no shell: nothing the user passes is interpreted.
     return subprocess.run(argv, env=full_env, check=False).returncode  # noqa: S603

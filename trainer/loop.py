@@ -192,6 +192,9 @@ def _loop(
         compute += clock() - t2
         step += 1
         samples += n
+        if keys_log is not None:  # before the checkpoint: a resume after it never redoes this step
+            keys_log.write(json.dumps({"step": step, "keys": keys}) + "\n")
+            keys_log.flush()
         ckpt = 0.0
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             ckpt = _checkpoint(step, rank, ddp, opt, loader, store)
@@ -209,9 +212,6 @@ def _loop(
         }
         steps_log.write(json.dumps(record) + "\n")
         steps_log.flush()
-        if keys_log is not None:
-            keys_log.write(json.dumps({"step": step, "keys": keys}) + "\n")
-            keys_log.flush()
         if metrics.registry is not None:
             util = gpu_utilization()
             metrics.observe_step(record, loader.stats(), gpu_util=None if util is None else util / 100)
