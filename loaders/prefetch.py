@@ -1,9 +1,7 @@
 """Background fetching of the shards a worker will need, in the order it will need them.
 
 The order is known before the epoch starts (see ``epoch.py``), so prefetching is exact: at most
-``depth`` shards are fetched or held ahead of the one being consumed, on ``depth`` threads. The
-first shard is fetched alone, so time to first batch is one shard's fetch, not ``depth + 1``
-sharing the link. File
+``depth`` shards are fetched or held ahead of the one being consumed, on ``depth`` threads. File
 reads, S3 GETs and sha256 release the GIL, so fetching overlaps the consumer's Python work.
 """
 
@@ -32,13 +30,6 @@ class Prefetcher(Generic[T]):
         """The fetched shard; blocks until it is there. Each shard is asked for once."""
         if self._pool is None:
             return self._fetch(shard)
-        if self._submitted == 0:
-            # The first shard alone: on a shared, narrow link, prefetching beside it would only delay
-            # the first batch. The rest start as soon as it is in.
-            self._submit_through(self._pos[shard])
-            first = self._futures.pop(shard).result()
-            self._submit_through(self._pos[shard] + self._depth)
-            return first
         self._submit_through(self._pos[shard] + self._depth)
         return self._futures.pop(shard).result()
 
