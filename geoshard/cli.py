@@ -173,7 +173,7 @@ def synth(out: Path, fmt: str, samples: int, sample_bytes: int, shard_samples: i
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-out"), show_default=True)
 @click.option("--samples", type=click.IntRange(min=1), default=20_000, show_default=True)
 @click.option("--workers", type=click.IntRange(min=1), help="Dask workers (default: one per core).")
-@click.option("--steps", type=click.IntRange(min=1), default=600, show_default=True, help="Training steps (about a minute here).")
+@click.option("--steps", type=click.IntRange(min=1), default=900, show_default=True, help="Training steps (about a minute here).")
 @click.option("--train/--no-train", default=True, help="--no-train: synthesize and split only.")
 def demo(out: Path, samples: int, workers: int | None, steps: int, train: bool) -> None:
     """The main job on one machine: synthesize, split for three regions, sync to a local S3

@@ -65,7 +65,7 @@ class DemoSettings:
     train: bool = True  # False: synthesize and split only (the split-only demo of earlier versions)
     region: str = "eu-west-1"
     nproc: int = 2
-    steps: int = 600
+    steps: int = 900
     hidden: int = 2048
     batch_size: int = 32
 
