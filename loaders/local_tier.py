@@ -6,10 +6,12 @@ shards are evicted to make room, so write-back from S3 never fills the disk.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
 from geoshard.loaders.tier import TierError, TierMissing
@@ -37,14 +39,20 @@ class LocalTier:
         except FileNotFoundError:
             return None
 
-    def read(self, path: str) -> bytes:
-        p = self._path(path)
+    @contextlib.contextmanager
+    def _reading(self, path: str, p: Path) -> Iterator[None]:
+        """OS errors as the chain's: absent is a miss, anything else a failing tier."""
         try:
-            data = p.read_bytes()
+            yield
         except FileNotFoundError:
             raise TierMissing(f"{self.name}: {path} not in the replica") from None
         except OSError as e:
             raise TierError(f"{self.name}: cannot read {p}: {e.strerror}") from e
+
+    def read(self, path: str) -> bytes:
+        p = self._path(path)
+        with self._reading(path, p):
+            data = p.read_bytes()
         os.utime(p)  # recency for eviction
         return data
 
@@ -54,27 +62,17 @@ class LocalTier:
         Safe because replica files are only ever renamed over or unlinked, never truncated in place
         (a truncated mapping would fault)."""
         p = self._path(path)
-        try:
-            with open(p, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                data: bytes | mmap.mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-        except FileNotFoundError:
-            raise TierMissing(f"{self.name}: {path} not in the replica") from None
-        except OSError as e:
-            raise TierError(f"{self.name}: cannot read {p}: {e.strerror}") from e
+        with self._reading(path, p), open(p, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data: bytes | mmap.mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         os.utime(p)  # recency for eviction
         return data
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         p = self._path(path)
-        try:
-            with open(p, "rb") as f:
-                f.seek(offset)
-                return f.read(length)
-        except FileNotFoundError:
-            raise TierMissing(f"{self.name}: {path} not in the replica") from None
-        except OSError as e:
-            raise TierError(f"{self.name}: cannot read {p}: {e.strerror}") from e
+        with self._reading(path, p), open(p, "rb") as f:
+            f.seek(offset)
+            return f.read(length)
 
     def write(self, path: str, data: bytes) -> None:
         p = self._path(path)

@@ -57,6 +57,16 @@ def region_samples(folder: Path, fmt: str) -> list[Any]:
     return out
 
 
+def upload_region(server: SeaweedS3, tag: str, folder: Path) -> str:
+    """A new bucket holding a region's folder (manifest and shards) under ``train/``; its name."""
+    bucket = f"{tag}-{time.time_ns() % 10**9}"
+    server.make_bucket(bucket)
+    with contextlib.closing(server.client()) as c:
+        for f in folder.iterdir():
+            c.put_object(Bucket=bucket, Key=f"train/{f.name}", Body=f.read_bytes())
+    return bucket
+
+
 @pytest.fixture(scope="module")
 def wds_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return split(tmp_path_factory.mktemp("wds"))
@@ -225,13 +235,9 @@ def test_prefetch_keeps_at_most_depth_shards_in_flight() -> None:
 
 
 def test_write_back_fills_the_local_replica_and_the_second_epoch_reads_it(tmp_path: Path, aws: SeaweedS3) -> None:
-    bucket = f"gs-wb-{time.time_ns() % 10**9}"
-    aws.make_bucket(bucket)
     plan = split(tmp_path, samples=800)
     folder = tmp_path / "split" / EU
-    with contextlib.closing(aws.client()) as c:
-        for f in folder.iterdir():
-            c.put_object(Bucket=bucket, Key=f"train/{f.name}", Body=f.read_bytes())
+    bucket = upload_region(aws, "gs-wb", folder)
     cache = tmp_path / "replica"
     text = plan.read_text().replace(
         f'local = "{folder}"', f'local = "{cache}"\nbucket = "s3://{bucket}/train"\nendpoint = "{aws.endpoint}"'
@@ -337,13 +343,9 @@ def test_stream_runs_epoch_after_epoch_and_resumes_inside_it(wds_plan: Path) -> 
 def test_workers_reading_s3_do_not_share_the_parents_connections(tmp_path: Path, aws: SeaweedS3) -> None:
     # The training process reads the manifest from the bucket (a pooled keep-alive connection);
     # forked workers that reused it would read each other's responses (wrong shards, caught by sha256).
-    bucket = f"gs-fork-{time.time_ns() % 10**9}"
-    aws.make_bucket(bucket)
     plan = split(tmp_path, samples=1500)
     folder = tmp_path / "split" / EU
-    with contextlib.closing(aws.client()) as c:
-        for f in folder.iterdir():
-            c.put_object(Bucket=bucket, Key=f"train/{f.name}", Body=f.read_bytes())
+    bucket = upload_region(aws, "gs-fork", folder)
     plan.write_text(plan.read_text().replace(f'local = "{folder}"', f'bucket = "s3://{bucket}/train"\nendpoint = "{aws.endpoint}"'))
     loader = make_loader(plan, region=EU, batch_size=8, num_workers=2, prefetch=3, allow_cross_region=False)
     want = sorted(keys(region_samples(folder, "wds")))
