@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -171,8 +172,6 @@ def _sync_and_train(settings: DemoSettings, result: DemoResult, echo: Echo) -> N
             uploaded = sum(r.uploaded for r in sync_report.regions.values())
             echo(f"synced {uploaded} shards to {len(sync_report.regions)} buckets in {seconds['sync']:.1f} s")
             if replica.exists():  # a rerun starts cold, so the fallback shows again
-                import shutil
-
                 shutil.rmtree(replica)
             run_dir = out / "run"
             cfg = TrainConfig(

@@ -3,10 +3,10 @@ workers, tracks what the training loop consumed (for exact resume) and gathers t
 counters; and ``timed``, which measures how long the consumer waits for each batch.
 
 Batches are collated in the workers so each crosses the process boundary as one pickled object.
-Tiers a worker found failing stay cooled down for the workers of the next epoch, which fork
-from the training process. DataLoader hands out worker results round-robin, skipping exhausted workers; a resumed epoch
-rotates which logical worker each process plays so that the rest of the stream comes out in the
-original order.
+Tiers a worker found failing stay cooled down for the workers of the next epoch, which fork from
+the training process. DataLoader hands out worker results round-robin, skipping exhausted
+workers; a resumed epoch rotates which logical worker each process plays so that the rest of the
+stream comes out in the original order.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class RegionalLoader(DataLoader[Any]):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         """One epoch: the dataset's current one (or the rest of it, after ``load_state_dict``)."""
         ds = self.dataset
-        skip, rotation = ds._start(max(self.num_workers, 1)) if self.num_workers else ([0], 0)
+        # Without workers the dataset starts the iteration itself, in this process.
+        skip, rotation = ds._start(self.num_workers) if self.num_workers else ([0], 0)
         return self._unwrap(self._spawn(skip, rotation, ds.epoch))
 
     def stream(self) -> Iterator[Any]:

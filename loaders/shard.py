@@ -30,7 +30,6 @@ from geoshard.formats.tarscan import scan
 
 _LEN = struct.Struct("<Q")
 BLOCK = 512
-_POW8_11 = 8 ** np.arange(10, -1, -1, dtype=np.int64)
 _MAGIC = int.from_bytes(b"ustar\x0000", "little")  # bytes 257..264 of a POSIX ustar header
 _NAME_GUESS = 32  # most member names are shorter; longer ones cost a second gather of 100 columns
 RawSample = dict[str, Any] | bytes
