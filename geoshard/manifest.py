@@ -29,9 +29,13 @@ class ShardEntry:
     bytes: int
     sha256: str
     group: int = 0
+    xxh3_128: str = ""  # the fast hash of record (geoshard/hashing.py); "" in manifests written before it
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "samples": self.samples, "bytes": self.bytes, "sha256": self.sha256, "group": self.group}
+        d: dict[str, Any] = {"path": self.path, "samples": self.samples, "bytes": self.bytes, "sha256": self.sha256, "group": self.group}
+        if self.xxh3_128:
+            d["xxh3_128"] = self.xxh3_128
+        return d
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class RegionManifest:
                     bytes=int(s["bytes"]),
                     sha256=str(s["sha256"]),
                     group=int(s.get("group", 0)),
+                    xxh3_128=str(s.get("xxh3_128", "")),
                 )
                 for s in d["shards"]
             )

@@ -1,7 +1,8 @@
 """The tier chain of one reading region: Alluxio cache, local replica, the region's bucket, then
 (if allowed) other regions' buckets, counted as egress.
 
-Every fetched shard is checked against the manifest (size and sha256); a mismatch is counted, the
+Every fetched shard is checked against the manifest (size and xxh3-128, or sha256 with
+``verify="sha256"`` or where the manifest predates the fast hash); a mismatch is counted, the
 next tier is tried, and a corrupt local copy is removed. A tier that fails (down, timeout) is
 skipped for ``cooldown_s``, so a dead Alluxio costs one timeout, not one per shard. Transient
 failures are retried with backoff before the tier is given up. A shard fetched from a bucket is
@@ -10,7 +11,6 @@ written back to the local replica.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import mmap
 import time
@@ -22,6 +22,7 @@ from geoshard.loaders.stats import LoaderStats
 from geoshard.loaders.tier import Tier, TierError, TierMissing, WritableTier, make_tier
 
 from geoshard.errors import ConfigError, DataError, StorageError
+from geoshard.hashing import verify_digest
 from geoshard.manifest import MANIFEST, RegionManifest, ShardEntry, parse_region_manifest
 from geoshard.plan import Plan
 from geoshard.retry import Backoff
@@ -37,13 +38,14 @@ class ChainSettings:
     allow_cross_region: bool = True
     writeback: bool = True
     local_limit_bytes: int | None = None  # cap on the local replica; least recently used shards go first
-    # "sha256" checks every fetched shard; "size" trusts the bytes and checks only the length, for
-    # replicas the user vouches for (a sha256 costs ~0.55 s per GB and core here).
-    verify: str = "sha256"
+    # "xxh3" checks every fetched shard against its fast hash of record (~0.1 s per GB and core
+    # here; sha256 where the manifest has no xxh3_128); "sha256" is the cryptographic check (~0.55 s
+    # per GB and core); "size" trusts the bytes and checks only the length.
+    verify: str = "xxh3"
 
     def __post_init__(self) -> None:
-        if self.verify not in ("sha256", "size"):
-            raise ConfigError(f"verify must be 'sha256' or 'size', got {self.verify!r}")
+        if self.verify not in ("xxh3", "sha256", "size"):
+            raise ConfigError(f"verify must be 'xxh3', 'sha256' or 'size', got {self.verify!r}")
 
     def timeout(self, kind: str) -> float:
         return dict(self.timeouts).get(kind, 30.0)
@@ -152,7 +154,10 @@ class TierChain:
                     return None
                 self._sleep(delay)
                 continue
-            if len(data) != shard.bytes or (self.settings.verify == "sha256" and _sha256(data) != shard.sha256):
+            intact = len(data) == shard.bytes and verify_digest(
+                data, sha256_hex=shard.sha256, xxh3_hex=shard.xxh3_128, mode=self.settings.verify
+            )
+            if not intact:
                 self.stats.count(tier.name, "verify_failures")
                 failures.append(f"{tier.name}: {shard.path} does not match its manifest ({len(data)} of {shard.bytes} bytes)")
                 if isinstance(tier, LocalTier):
@@ -160,14 +165,6 @@ class TierChain:
                 return None
             self.stats.hit(tier.name, len(data), self._clock() - t0)
             return data
-
-
-def _sha256(data: bytes | mmap.mmap) -> str:
-    # update() releases the GIL while hashing (sha256(data) in one call does not on 3.11), so
-    # prefetch threads hash while the consumer runs.
-    h = hashlib.sha256()
-    h.update(data)
-    return h.hexdigest()
 
 
 def build_chain(plan: Plan, region: str, settings: ChainSettings | None = None, stats: LoaderStats | None = None) -> TierChain:

@@ -287,7 +287,8 @@ def _manifests(
     regions: dict[str, RegionManifest] = {}
     summaries: dict[str, RegionSummary] = {}
     for name in plan.region_names:
-        fresh = [ShardEntry(s.name, s.samples, s.bytes, s.sha256, s.group) for r in results for s in r.shards if s.region == name]
+        mine = [s for r in results for s in r.shards if s.region == name]
+        fresh = [ShardEntry(s.name, s.samples, s.bytes, s.sha256, s.group, s.xxh3_128) for s in mine]
         shards = tuple(sorted(fresh + kept[0].get(name, []), key=lambda e: e.path))
         rm = RegionManifest(region=name, format=fmt, generation=generation, plan_sha256=plan_sha, shards=shards)
         regions[name] = rm

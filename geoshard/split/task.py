@@ -19,6 +19,7 @@ from typing import Any
 from geoshard.errors import DataError
 from geoshard.formats import SHARD_SUFFIX, Format, tfrecord, wds
 from geoshard.formats._window import Readable
+from geoshard.hashing import FAST, MultiHasher
 from geoshard.manifest import SourceEntry
 from geoshard.routing import SLOT_BITS, RouteSpec, feature_key, key_hash
 from geoshard.sources import HashingReader, S3Access, SourceRef, open_source
@@ -51,6 +52,7 @@ class ShardOut:
     bytes: int
     sha256: str
     group: int
+    xxh3_128: str = ""
 
 
 @dataclass
@@ -83,13 +85,13 @@ class _ShardWriter:
         self.f = open(self.path, "wb", buffering=0)  # noqa: SIM115 - closed in _close
         self.parts: list[bytes | memoryview] = []
         self.pending = 0
-        self.sha = hashlib.sha256()
+        self.hasher = MultiHasher(("sha256", FAST))  # both digests of record, fed once per flush
         self.bytes = 0
         self.samples = 0
 
     def _flush(self) -> None:
         # Hash each part and hand the list to writev: the samples are copied once, into the kernel.
-        update = self.sha.update
+        update = self.hasher.update
         for part in self.parts:
             update(part)
         fd = self.f.fileno()
@@ -131,12 +133,13 @@ class _ShardWriter:
             self.path.unlink()
             return
         size = self.path.stat().st_size
-        sha = self.sha.hexdigest()
+        digests = self.hasher.hexdigests()
+        sha = digests["sha256"]
         # The content hash in the name makes shards immutable objects: a changed shard gets a new
         # name, so caches and buckets never serve stale bytes under an old name.
         name = f"{self.task.group:05d}-{self.part:04d}-{sha[:12]}{SHARD_SUFFIX[self.task.fmt]}"
         os.replace(self.path, self.dir / name)
-        self.done.append(ShardOut(self.region, name, self.samples, size, sha, self.task.group))
+        self.done.append(ShardOut(self.region, name, self.samples, size, sha, self.task.group, digests[FAST]))
 
     def _roll(self) -> None:
         self._close()

@@ -154,10 +154,11 @@ def sync_region(
     rr.skipped = len(local.shards) - len(todo)
     cpus = len(os.sched_getaffinity(0))
     with ThreadPoolExecutor(max_workers=cpus) as pool:  # hashlib releases the GIL
-        list(pool.map(lambda s: check_local(s, root / s.path, target.region), todo))  # every one before any upload
-        # Objects an interrupted run already uploaded under their content-addressed names are kept.
-        present = [s for s in todo if _same_size(listing.get(s.path), s.bytes)]
-        md5 = dict(zip((s.path for s in present), pool.map(lambda s: md5_of(root / s.path), present), strict=True))
+        # Objects an interrupted run already uploaded under their content-addressed names are kept:
+        # their MD5 (for the ETag) comes from the same read as the check, every one before any upload.
+        present = {s.path for s in todo if _same_size(listing.get(s.path), s.bytes)}
+        checked = pool.map(lambda s: check_local(s, root / s.path, target.region, md5=s.path in present), todo)
+        md5 = {s.path: d for s, d in zip(todo, checked, strict=True) if d is not None}
     uploads = [s for s in todo if not (s.path in md5 and _etag_ok(listing[s.path], md5[s.path]))]
     rr.skipped += len(todo) - len(uploads)
     log.info(
