@@ -12,8 +12,18 @@ with ``verify="size"``), so the per-header checksums and per-record CRCs are not
 they would only re-prove it. The structure is: every header must sit exactly where the previous
 member ends, or the shard takes the general path, which also produces the precise error.
 
-``buf`` may be any buffer (``bytes``, ``mmap``, a read-only ``memoryview``); fields come out as
-``bytes``, one copy each.
+``buf`` may be any buffer (``bytes``, ``mmap``, a read-only ``memoryview``). Fields come out as
+``bytes``, one copy each, or with ``copy=False`` as read-only ``memoryview`` slices of ``buf``
+(``np.frombuffer(field, np.uint8)`` is then a numpy view): no byte is touched until the consumer
+reads it.
+
+**Lifetime of a view.** A view holds ``buf`` alive, whatever happens to the ``Shard``: a mapped
+local shard stays mapped (the ``mmap`` cannot be closed while a view exists), a fetched shard's
+``bytes`` stay in memory. The bytes never change under a view, because the local replica only
+ever renames files over or unlinks them (eviction, a corrupt copy), never rewrites or truncates
+them in place: a mapping keeps the inode it was made from. (Truncating a replica file from
+outside geoshard would make reading a view fault, as for any mapped file.) Holding views holds
+their whole shard: keep them for a batch, and copy what must live longer.
 """
 
 from __future__ import annotations
@@ -32,17 +42,18 @@ _LEN = struct.Struct("<Q")
 BLOCK = 512
 _MAGIC = int.from_bytes(b"ustar\x0000", "little")  # bytes 257..264 of a POSIX ustar header
 _NAME_GUESS = 32  # most member names are shorter; longer ones cost a second gather of 100 columns
-RawSample = dict[str, Any] | bytes
+RawSample = dict[str, Any] | bytes | memoryview
 
 
 class Shard:
     """The samples of one shard: ``len(shard)`` and ``shard.sample(i)``."""
 
-    __slots__ = ("_columns", "_fields", "_keys", "_spans", "buf", "path")
+    __slots__ = ("_columns", "_fields", "_keys", "_out", "_spans", "buf", "path")
 
-    def __init__(self, path: str, buf: Any, fmt: str) -> None:
+    def __init__(self, path: str, buf: Any, fmt: str, copy: bool = True) -> None:
         self.path = path
         self.buf = buf
+        self._out: Any = None  # what fields are sliced from: buf (copies) or a memoryview of it (views)
         self._keys: list[str] = []
         self._columns: list[tuple[str, list[int], list[int]]] | None = None  # (field, starts, ends): uniform tars
         self._fields: list[list[tuple[str, int, int]]] = []  # per sample: other tars
@@ -54,12 +65,13 @@ class Shard:
                 self._index_tar()
         else:
             raise DataError(f"{path}: unknown shard format {fmt!r}")
+        self._out = self.buf if copy else memoryview(self.buf).toreadonly()
 
     def __len__(self) -> int:
         return len(self._spans) if self._spans else len(self._keys)
 
     def sample(self, i: int) -> RawSample:
-        buf = self.buf
+        buf = self._out
         if self._columns is not None:
             out: dict[str, Any] = {"__key__": self._keys[i]}
             for ext, starts, ends in self._columns:
