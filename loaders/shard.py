@@ -123,8 +123,10 @@ class Shard:
             sizes = sizes * 8 + digits[:, c]
         nxt = cand + 1 + (sizes + BLOCK - 1) // BLOCK
         end = int(nxt[-1])
-        if not np.array_equal(nxt[:-1], cand[1:]) or end > nblocks or a[end:].any():
-            return False  # not one chain of members followed by zero blocks: the general path decides (and names the error)
+        if not np.array_equal(nxt[:-1], cand[1:]) or end >= nblocks or a[end:].any():
+            # Not one chain of members followed by zero blocks (none at all: cut at a member
+            # boundary?): the general path decides, as the reference reader does, and names the error.
+            return False
         keys, columns = _names(a, cand)
         if keys is None:
             return False
@@ -137,7 +139,7 @@ class Shard:
 
     def _index_tar(self) -> None:
         r = scan(self.buf, 0, eof=True, members=True)
-        if r is None or r.members is None or not (r.end_of_archive or r.consumed == len(self.buf)):
+        if r is None or r.members is None or not r.end_of_archive:
             self._index_tar_slowly()
             return
         m = r.members
