@@ -15,7 +15,7 @@ from typing import Any, TypeVar, cast
 
 import click
 
-from geoshard.cli_common import created_time, plan_option, quiet_dask, s3_access
+from geoshard.cli_common import created_time, name_envvars, plan_option, quiet_dask, s3_access
 from geoshard.errors import GeoshardError
 from geoshard.formats import FORMATS, Format
 from geoshard.plan import load_plan
@@ -202,6 +202,7 @@ def _register() -> None:
 
     for command in (*COMMANDS, train, report):
         main.add_command(command)
+    name_envvars(main)
 
 
 _register()

@@ -47,3 +47,24 @@ def created_time() -> str | None:
     """SOURCE_DATE_EPOCH, when set, fixes manifest creation times (reproducible builds)."""
     epoch = read_environment().source_date_epoch
     return None if epoch is None else datetime.fromtimestamp(epoch, UTC).isoformat(timespec="seconds")
+
+
+def name_envvars(group: click.Group, prefix: str = "GEOSHARD") -> None:
+    """Give every option the variable docs/cli.md promises: ``GEOSHARD_<COMMAND>_<OPTION>``.
+
+    click's ``auto_envvar_prefix`` derives the name from the Python parameter (``plan_path``,
+    ``as_json``), not from the option a user types; naming each one here, from its first long
+    option, keeps the two equal and lets ``--help`` show it. The parameter-derived names still
+    work through the prefix (older scripts)."""
+
+    def name(option: click.Option, command: str) -> str:
+        long = next((o for o in option.opts if o.startswith("--")), option.opts[0])
+        return "_".join(p for p in (prefix, command, long.lstrip("-")) if p).upper().replace("-", "_")
+
+    for param in group.params:
+        if isinstance(param, click.Option) and param.expose_value:
+            param.envvar, param.show_envvar = name(param, ""), True
+    for command_name, command in group.commands.items():
+        for param in command.params:
+            if isinstance(param, click.Option) and param.expose_value:
+                param.envvar, param.show_envvar = name(param, command_name), True
