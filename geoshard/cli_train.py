@@ -18,15 +18,28 @@ class TrainingFailed(GeoshardError):
 @click.command()
 @train_options
 @click.option("--nproc", default=2, show_default=True, type=click.IntRange(min=1), help="Ranks on this node.")
+@click.option(
+    "--regions",
+    "regions_spec",
+    help="One job across regions on this machine: ranks per region, e.g. us-east-1:2,eu-west-1:1 (one torchrun agent per region).",
+)
 @click.option("--max-restarts", default=0, show_default=True, type=click.IntRange(min=0), help="torchrun restarts after a failure.")
-def train(nproc: int, max_restarts: int, **kwargs: Any) -> None:
+def train(nproc: int, regions_spec: str | None, max_restarts: int, **kwargs: Any) -> None:
     """Train with torchrun on this node and print the IO-wait report."""
     from geoshard.cli_report import render_report
-    from geoshard.trainer.launch import launch
+    from geoshard.plan import load_plan
+    from geoshard.trainer.launch import launch, launch_regions, parse_regions
     from geoshard.trainer.report import build_report
 
     cfg = config_from(**kwargs)
-    code = launch(cfg, nproc, max_restarts)
+    if regions_spec is not None:
+        regions = parse_regions(regions_spec)
+        plan = load_plan(cfg.plan)
+        for r in regions:
+            plan.region(r.region)  # an unknown region: one line naming the plan's regions, before launch
+        code = launch_regions(cfg, regions, max_restarts)
+    else:
+        code = launch(cfg, nproc, max_restarts)
     if code != 0:
         raise TrainingFailed(f"torchrun exited with {code}; the ranks' errors are above, their step logs in {cfg.out}")
     click.echo(render_report(build_report(cfg.out, cfg.budget)))

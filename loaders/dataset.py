@@ -9,20 +9,24 @@ sessions, thread pools) is built lazily in the process that iterates, never pick
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from geoshard.loaders.balance import Balance, balance
 from geoshard.loaders.chain import ChainSettings, TierChain, build_chain
 from geoshard.loaders.decode import DecodeSpec, apply, collate, make_decoder
-from geoshard.loaders.epoch import Layout, Remainder, rank_plan
+from geoshard.loaders.epoch import Layout, Remainder, per_rank, rank_plan
 from geoshard.loaders.prefetch import Prefetcher
 from geoshard.loaders.shard import Shard
 from geoshard.loaders.stats import LoaderStats
+from geoshard.loaders.topology import RegionShare, Topology
 from torch.utils.data import IterableDataset, get_worker_info
 
 from geoshard.env import Environment, read_environment
@@ -31,7 +35,7 @@ from geoshard.manifest import RegionManifest
 from geoshard.plan import Plan, load_plan
 
 log = logging.getLogger(__name__)
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: keyed by region and rank within the region
 _STATS_EVERY_S = 0.25  # how often a DataLoader worker ships its counters with a batch
 
 
@@ -42,6 +46,22 @@ class WorkerFailure:
         self.error = error
 
 
+@dataclass(frozen=True)
+class EpochStart:
+    """How an iteration begins: the epoch, the samples each logical worker skips (a resume), which
+    logical worker each DataLoader worker process plays first, and whether items carry the worker's
+    identity and counters (``RegionalLoader``'s iterations) or are plain."""
+
+    epoch: int
+    skips: tuple[int, ...]
+    rotation: int = 0
+    tagged: bool = False
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.skips)
+
+
 def resolve_region(region: str | None, env: Environment) -> str:
     """``region=``, else GEOSHARD_REGION, else the AWS region variables."""
     r = region or env.geoshard_region or env.region
@@ -50,12 +70,28 @@ def resolve_region(region: str | None, env: Environment) -> str:
     return r
 
 
-def _distributed() -> tuple[int, int] | None:
+def _single_region_job(region: str) -> tuple[int, int] | None:
+    """Under torch.distributed without a region group: the global rank and size, if every rank is in
+    ``region``. A job that spans regions must say which ranks share this one (collective)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    topo = Topology.of(_gather_regions(region), dist.get_rank())
+    if topo.spans_regions:
+        raise ConfigError(
+            f"this job's ranks span regions ({topo.describe()}): pass topology=Topology.discover(region) "
+            "(or region_rank=, region_size= and samples_per_rank=) so each region's samples go to its own ranks"
+        )
+    return topo.rank, topo.world_size
+
+
+def _gather_regions(region: str) -> list[str]:
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, region)
+    return [str(r) for r in out]
 
 
 class RegionalDataset(IterableDataset[Any]):
@@ -78,6 +114,10 @@ class RegionalDataset(IterableDataset[Any]):
         shuffle_buffer: int = 1000,
         prefetch: int = 2,
         decode: DecodeSpec = None,
+        topology: Topology | None = None,
+        region_rank: int | None = None,
+        region_size: int | None = None,
+        samples_per_rank: int | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         remainder: Remainder = "drop",
@@ -90,27 +130,16 @@ class RegionalDataset(IterableDataset[Any]):
     ) -> None:
         super().__init__()
         self.plan = plan if isinstance(plan, Plan) else load_plan(Path(plan))
+        if topology is not None:
+            if region is not None and region != topology.region:
+                raise ConfigError(f"region={region!r} but this rank's topology puts it in {topology.region}")
+            region = topology.region
         self.region = resolve_region(region, read_environment(environ))
         self.plan.region(self.region)  # unknown region: a ConfigError naming the plan's regions
-        dist = _distributed()
-        if dist is not None and (rank is None or world_size is None):
-            rank, world_size = dist
-        self.rank, self.world_size = rank or 0, world_size or 1
         if prefetch < 0:
             raise ConfigError(f"prefetch must be 0 or more shards, got {prefetch}")
         if batch_size is not None and batch_size < 1:
             raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
-        self.layout = Layout(
-            rank=self.rank,
-            world_size=self.world_size,
-            batch_size=batch_size or 1,
-            seed=seed,
-            shuffle=shuffle,
-            shuffle_buffer=shuffle_buffer,
-            remainder=remainder,
-        )
-        self.batched = batch_size is not None
-        self.collate_fn = collate_fn or collate
         self.prefetch = prefetch
         self.settings = settings or ChainSettings()
         if allow_cross_region is not None:
@@ -121,12 +150,54 @@ class RegionalDataset(IterableDataset[Any]):
         self.manifest = manifest or self.chain().read_manifest()
         self.decoder = make_decoder(decode, self.manifest.format)
         self._counts = [s.samples for s in self.manifest.shards]
+        self.share = self._find_share(
+            topology,
+            region_rank if region_rank is not None else rank,
+            region_size if region_size is not None else world_size,
+            samples_per_rank,
+            remainder,
+        )
+        self.layout = Layout(
+            rank=self.share.rank,
+            world_size=self.share.size,
+            batch_size=batch_size or 1,
+            seed=seed,
+            shuffle=shuffle,
+            shuffle_buffer=shuffle_buffer,
+            remainder=remainder,
+            samples_per_rank=self.share.samples_per_rank,
+        )
+        self.batched = batch_size is not None
+        self.collate_fn = collate_fn or collate
         # Progress of the current epoch per logical worker, in samples; and where a resume starts.
         self._consumed = [0]
         self._next_worker = 0
         self._resume: tuple[list[int], int] | None = None
-        self._tagged = False  # set by RegionalLoader: items carry the worker's identity and counters
-        self._worker_start: tuple[list[int], int, int] | None = None  # (skips, rotation, epoch) for forked workers
+        self._pending: EpochStart | None = None  # handed over by RegionalLoader for the workers it forks
+
+    def _find_share(
+        self, topology: Topology | None, rank: int | None, size: int | None, samples_per_rank: int | None, remainder: Remainder
+    ) -> RegionShare:
+        """This rank's place in its region and the job-wide samples per rank."""
+        self.balance: Balance | None = None
+        total = sum(self._counts)
+        if topology is not None:
+            share = topology.share(samples_per_rank)
+            if samples_per_rank is not None:
+                return share
+            if topology.spans_regions:
+                if not topology.live:
+                    raise ConfigError("a topology without process groups spans regions: pass samples_per_rank= as well")
+                # Collective: every rank's region, sample count and region size decide the job's figure.
+                seen = {r: (n, k) for r, n, k in topology.all_gather((self.region, total, share.size))}
+                self.balance = balance({r: n for r, (n, _) in seen.items()}, {r: k for r, (_, k) in seen.items()}, remainder)
+            else:
+                self.balance = balance({self.region: total}, {self.region: share.size}, remainder)
+            return topology.share(self.balance.samples_per_rank)
+        if rank is None or size is None:
+            found = _single_region_job(self.region)  # under torch.distributed: all ranks here, or an error
+            rank, size = found if found is not None else (rank or 0, size or 1)
+        return RegionShare(self.region, rank, size, samples_per_rank)
 
     # -- process-local state ------------------------------------------------------------
     def chain(self) -> TierChain:
@@ -151,8 +222,17 @@ class RegionalDataset(IterableDataset[Any]):
         return self._per_rank()
 
     def _per_rank(self) -> int:
-        total, w = sum(self._counts), self.world_size
-        return total // w if self.layout.remainder == "drop" else -(-total // w)
+        return per_rank(sum(self._counts), self.layout)
+
+    @property
+    def rank(self) -> int:
+        """This rank's place in its region."""
+        return self.share.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in this region (the job's ranks in a single-region job)."""
+        return self.share.size
 
     def __len__(self) -> int:
         """Items (samples, or batches with ``batch_size``) this rank yields per epoch."""
@@ -160,12 +240,10 @@ class RegionalDataset(IterableDataset[Any]):
         return -(-n // self.layout.batch_size) if self.batched else n
 
     def remainder(self) -> dict[str, int]:
+        """Per epoch, over this region's ranks: samples left out, and samples read twice."""
         total = sum(self._counts)
-        per = self._per_rank()
-        return {
-            "dropped_samples": max(0, total - per * self.world_size),
-            "padded_samples": max(0, per * self.world_size - total),
-        }
+        read = self._per_rank() * self.world_size
+        return {"dropped_samples": max(0, total - read), "padded_samples": max(0, read - total)}
 
     def state_dict(self) -> dict[str, Any]:
         """Where this rank is in the epoch: enough for ``load_state_dict`` to continue exactly."""
@@ -176,8 +254,9 @@ class RegionalDataset(IterableDataset[Any]):
             "epoch": self.epoch,
             "seed": self.layout.seed,
             "shuffle": self.layout.shuffle,
-            "rank": self.rank,
-            "world_size": self.world_size,
+            "region_rank": self.rank,
+            "region_size": self.world_size,
+            "samples_per_rank": self._per_rank(),
             "batch_size": self.layout.batch_size,
             "num_workers": len(self._consumed),
             "consumed": list(self._consumed),
@@ -188,7 +267,7 @@ class RegionalDataset(IterableDataset[Any]):
         mine = self.state_dict()
         if state.get("version") != STATE_VERSION:
             raise ConfigError(f"loader state version {state.get('version')!r} is not {STATE_VERSION}")
-        for k in ("region", "generation", "seed", "shuffle", "rank", "world_size", "batch_size"):
+        for k in ("region", "generation", "seed", "shuffle", "region_rank", "region_size", "samples_per_rank", "batch_size"):
             if state.get(k) != mine[k]:
                 raise ConfigError(f"loader state does not fit this loader: {k} is {state.get(k)!r} there, {mine[k]!r} here")
         self.epoch = int(state["epoch"])
@@ -196,8 +275,8 @@ class RegionalDataset(IterableDataset[Any]):
         self._next_worker = int(state["next_worker"])
         self._resume = (list(self._consumed), self._next_worker)
 
-    def _start(self, num_workers: int) -> tuple[list[int], int]:
-        """Begin an iteration: the per-worker skips and the worker rotation it starts with."""
+    def begin(self, num_workers: int, *, tagged: bool = False) -> EpochStart:
+        """Begin an iteration of the current epoch: its start, from a loaded state or from zero."""
         if self._resume is not None:
             skip, rotation = self._resume
             self._resume = None
@@ -205,9 +284,23 @@ class RegionalDataset(IterableDataset[Any]):
                 raise ConfigError(
                     f"loader state was saved with {len(skip)} DataLoader worker(s); resume with the same number, not {num_workers}"
                 )
-            return skip, rotation
+            return EpochStart(self.epoch, tuple(skip), rotation, tagged)
         self._consumed, self._next_worker = [0] * num_workers, 0
-        return [0] * num_workers, 0
+        return EpochStart(self.epoch, (0,) * num_workers, 0, tagged)
+
+    @contextlib.contextmanager
+    def handing_over(self, start: EpochStart) -> Iterator[None]:
+        """Within this block, iterations (and the DataLoader workers forked in it) begin at ``start``."""
+        self._pending = start
+        try:
+            yield
+        finally:
+            self._pending = None
+
+    def items_taken(self) -> int:
+        """Items (samples, or batches) of the current epoch handed to the consumer so far."""
+        bs = self.layout.batch_size if self.batched else 1
+        return sum(-(-c // bs) for c in self._consumed)
 
     def record(self, worker: int, samples: int) -> None:
         """Count samples handed to the consumer (the loader calls this for its workers' items)."""
@@ -217,25 +310,26 @@ class RegionalDataset(IterableDataset[Any]):
     # -- iteration ------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
+        start = self._pending
         if info is None:  # the main process: one logical worker, counted here
-            skip, _ = self._start(1)
-            return self._generate(0, 1, skip[0], count=True, epoch=self.epoch)
-        # A DataLoader worker: the loader started the iteration in the main process before forking.
+            start = start or self.begin(1)
+            return self._generate(0, 1, start, count=True)
+        # A DataLoader worker, forked inside handing_over() (or by a plain DataLoader: no resume).
         if self._chain is not None:
             # Forked with the training process's chain: its pooled connections are shared with the
             # parent and the sibling workers (responses would cross). Build our own, keep what failed.
             self._inherited_cooldowns = self._chain.cooldowns()
             self._chain = None
-        skip, rotation, epoch = self._worker_start or ([0] * info.num_workers, 0, self.epoch)
-        if len(skip) != info.num_workers:  # a plain DataLoader, not make_loader's: no resume
-            skip, rotation = [0] * info.num_workers, 0
-        worker = (info.id + rotation) % info.num_workers
-        return self._generate(worker, info.num_workers, skip[worker], count=False, epoch=epoch)
+        if start is None or start.num_workers != info.num_workers:
+            start = EpochStart(self.epoch, (0,) * info.num_workers)
+        worker = (info.id + start.rotation) % info.num_workers
+        return self._generate(worker, info.num_workers, start, count=False)
 
-    def _generate(self, worker: int, num_workers: int, skip: int, count: bool, epoch: int) -> Iterator[Any]:
+    def _generate(self, worker: int, num_workers: int, start: EpochStart, count: bool) -> Iterator[Any]:
         layout = dataclasses.replace(self.layout, num_workers=num_workers)
-        plan = rank_plan(self._counts, epoch, layout)
-        shards, idx = plan.worker_stream(worker, layout, epoch)
+        plan = rank_plan(self._counts, start.epoch, layout)
+        shards, idx = plan.worker_stream(worker, layout, start.epoch)
+        skip = start.skips[worker]
         shard_ids, indices = shards[skip:].tolist(), idx[skip:].tolist()
         last_use = {s: i for i, s in enumerate(shard_ids)}
         order = list(dict.fromkeys(shard_ids))
@@ -272,7 +366,7 @@ class RegionalDataset(IterableDataset[Any]):
                     n = 1
                 if count:
                     self.record(worker, n)
-                if not self._tagged:
+                if not start.tagged:
                     yield item
                     continue
                 # Counters travel with an item now and then (and with the last), not with every one.
@@ -282,7 +376,7 @@ class RegionalDataset(IterableDataset[Any]):
                     stats["cooldowns"] = chain.cooldowns()
                 yield worker, n, stats, item
         except GeoshardError as e:
-            if not self._tagged or count:
+            if not start.tagged or count:
                 raise
             # DataLoader would re-raise it wrapped in a worker traceback; the loader raises it as is.
             yield worker, 0, None, WorkerFailure(e)

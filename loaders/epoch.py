@@ -1,15 +1,23 @@
 """Which samples a rank's DataLoader worker yields in an epoch, in which order: pure arithmetic on
-the manifest's sample counts, so every rank computes the same plan without talking to the others,
-and a resumed run can skip exactly what was consumed without reading it again.
+the manifest's sample counts, so every rank of a region computes the same plan without talking to
+the others, and a resumed run can skip exactly what was consumed without reading it again.
 
-1. The region's shards, in manifest order, are permuted with ``(seed, epoch)``: the same on every rank.
-2. Their samples, concatenated, are cut into ``world_size`` equal contiguous ranges: a rank reads
-   only the shards of its range (a shard on a boundary is read by both neighbours). The remainder
-   (fewer than ``world_size`` samples) is dropped, or with ``remainder="pad"`` the last ranks wrap
-   around to the start, so every rank yields the same count and DDP collectives never hang.
-3. The rank's stream is cut into batches and the batches into ``num_workers`` contiguous runs, so
+``rank`` and ``world_size`` here are the rank's place in its region and the region's rank count:
+a region's samples are split among that region's ranks only. ``samples_per_rank`` is decided for
+the whole job (``balance.py``) so that every rank of every region yields the same count.
+
+1. The region's shards, in manifest order, are permuted with ``(seed, epoch)``: the same on every
+   rank of the region.
+2. An epoch reads ``samples_per_rank * world_size`` samples. When that is fewer than the region
+   has, the samples left out are a block of the region's samples (by manifest position) that moves
+   on by its own length every epoch: after E epochs every sample was read E or E-1 times (when
+   E blocks fit in the region), none is lost for good. When it is more (``remainder="pad"``),
+   a block of samples is repeated, moving on the same way.
+3. What is read, in the permuted shard order, is cut into ``world_size`` equal contiguous ranges;
+   a rank reads only the shards of its range (a shard on a boundary is read by both neighbours).
+4. The rank's stream is cut into batches and the batches into ``num_workers`` contiguous runs, so
    each worker reads its own shards and every rank yields the same number of batches.
-4. Within a worker's run, samples are shuffled inside consecutive windows of ``shuffle_buffer``
+5. Within a worker's run, samples are shuffled inside consecutive windows of ``shuffle_buffer``
    samples (seeded by seed, epoch, rank and worker): a block shuffle, whose memory is bounded by
    the shards a window spans.
 """
@@ -37,10 +45,13 @@ class Layout:
     shuffle: bool = True
     shuffle_buffer: int = 1000
     remainder: Remainder = "drop"
+    samples_per_rank: int | None = None  # job-wide; None: this region's samples / world_size
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside world_size {self.world_size}")
+        if self.samples_per_rank is not None and self.samples_per_rank < 0:
+            raise ConfigError(f"samples_per_rank must be 0 or more, got {self.samples_per_rank}")
         if self.num_workers < 1 or self.batch_size < 1 or self.shuffle_buffer < 1:
             raise ConfigError("num_workers, batch_size and shuffle_buffer must be at least 1")
         if self.remainder not in ("drop", "pad"):
@@ -51,8 +62,8 @@ class Layout:
 class RankPlan:
     shard: np.ndarray  # per position of the rank's stream: index into the manifest's shards
     index: np.ndarray  # ... and the sample's position inside that shard
-    dropped: int  # samples of the region no rank yields this epoch (remainder "drop")
-    padded: int  # samples yielded twice in the epoch across ranks (remainder "pad")
+    dropped: int  # samples of the region no rank yields this epoch
+    padded: int  # samples yielded twice in the epoch across the region's ranks
 
     def __len__(self) -> int:
         return len(self.shard)
@@ -87,21 +98,36 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([k & 0xFFFFFFFF for k in key])
 
 
+def per_rank(total: int, layout: Layout) -> int:
+    """Samples each rank yields per epoch: the job's figure, else this region's alone."""
+    if layout.samples_per_rank is not None:
+        return layout.samples_per_rank
+    w = layout.world_size
+    return total // w if layout.remainder == "drop" else -(-total // w)
+
+
 def rank_plan(counts: Sequence[int], epoch: int, layout: Layout) -> RankPlan:
-    n = len(counts)
-    order = _rng(layout.seed, epoch).permutation(n) if layout.shuffle else np.arange(n)
-    c = np.asarray(counts, dtype=np.int64)[order]
-    total = int(c.sum())
-    ends = np.cumsum(c)
-    world = layout.world_size
-    per = total // world if layout.remainder == "drop" else -(-total // world)
-    dropped = total - per * world if layout.remainder == "drop" else 0
-    padded = per * world - total if layout.remainder == "pad" else 0
-    if total == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return RankPlan(empty, empty, 0, 0)
-    # Global positions of this rank; "pad" wraps past the end to the start of the epoch.
-    pos = (np.arange(layout.rank * per, (layout.rank + 1) * per, dtype=np.int64)) % total
-    which = np.searchsorted(ends, pos, side="right")  # position in the permuted shard order
-    index = pos - (ends[which] - c[which])
-    return RankPlan(shard=order[which], index=index, dropped=dropped, padded=padded)
+    c_all = np.asarray(counts, dtype=np.int64)
+    total = int(c_all.sum())
+    per = per_rank(total, layout)
+    read = per * layout.world_size  # samples the region's ranks read this epoch
+    empty = np.zeros(0, dtype=np.int64)
+    if total == 0 or per == 0:
+        return RankPlan(empty, empty, total, 0)
+    starts = np.cumsum(c_all) - c_all  # manifest position of each shard's first sample
+    order = _rng(layout.seed, epoch).permutation(len(c_all)) if layout.shuffle else np.arange(len(c_all))
+    c = c_all[order]
+    # Manifest positions of the region's samples in the permuted shard order.
+    ids = np.repeat(starts[order] - (np.cumsum(c) - c), c) + np.arange(total, dtype=np.int64)
+    if read <= total:
+        out = total - read  # the block left out this epoch starts where last epoch's ended
+        lo = (epoch * out) % total
+        ids = ids[(ids - lo) % total >= out] if out else ids
+        dropped, padded = out, 0
+    else:
+        extra = read - total  # repeated: a moving block too, appended after the whole region
+        ids = np.concatenate([ids, (epoch * extra + np.arange(extra, dtype=np.int64)) % total])
+        dropped, padded = 0, extra
+    mine = ids[layout.rank * per : (layout.rank + 1) * per]
+    shard = np.searchsorted(starts, mine, side="right") - 1
+    return RankPlan(shard=shard, index=mine - starts[shard], dropped=dropped, padded=padded)

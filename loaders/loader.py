@@ -16,10 +16,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from geoshard.loaders.dataset import RegionalDataset, WorkerFailure
+from geoshard.loaders.dataset import EpochStart, RegionalDataset, WorkerFailure
 from geoshard.loaders.stats import merge_snapshots
 from torch.utils.data import DataLoader
 
+from geoshard.errors import ConfigError
 from geoshard.plan import Plan
 
 
@@ -31,7 +32,11 @@ class RegionalLoader(DataLoader[Any]):
     dataset: RegionalDataset
 
     def __init__(self, dataset: RegionalDataset, num_workers: int = 2, lookahead: int = 16, **kwargs: Any) -> None:
-        dataset._tagged = True
+        if kwargs.get("persistent_workers"):
+            # Workers started once would keep the first epoch's start (epoch, skips, rotation).
+            raise ConfigError("persistent_workers is not supported: each epoch's workers start where that epoch starts")
+        if num_workers < 0:
+            raise ConfigError(f"num_workers must be 0 or more, got {num_workers}")
         # collate_fn: items pass as the workers made them (DataLoader would turn numpy arrays into
         # tensors, which cross processes through a shared-memory segment each: slow for small ones).
         super().__init__(dataset, batch_size=None, num_workers=num_workers, collate_fn=_as_is, **kwargs)
@@ -41,10 +46,8 @@ class RegionalLoader(DataLoader[Any]):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         """One epoch: the dataset's current one (or the rest of it, after ``load_state_dict``)."""
-        ds = self.dataset
-        # Without workers the dataset starts the iteration itself, in this process.
-        skip, rotation = ds._start(self.num_workers) if self.num_workers else ([0], 0)
-        return self._unwrap(self._spawn(skip, rotation, ds.epoch))
+        start = self.dataset.begin(max(self.num_workers, 1), tagged=True)
+        return self._unwrap(self._spawn(start))
 
     def stream(self) -> Iterator[Any]:
         """Batches epoch after epoch, without end (``set_epoch`` is done here).
@@ -55,7 +58,7 @@ class RegionalLoader(DataLoader[Any]):
         it = iter(self)
         while True:
             ds = self.dataset
-            left = len(ds) - self._taken()
+            left = len(ds) - ds.items_taken()
             nxt: Iterator[Any] | None = None
             for item in it:
                 yield item
@@ -63,25 +66,16 @@ class RegionalLoader(DataLoader[Any]):
                 if nxt is None and self.num_workers and left <= self.lookahead:
                     # (Forking in a helper thread would hide its tens of ms, but workers forked off a
                     # non-main thread die at start-up here; DataLoader expects the main thread.)
-                    nxt = self._spawn([0] * self.num_workers, 0, ds.epoch + 1)
+                    nxt = self._spawn(EpochStart(ds.epoch + 1, (0,) * self.num_workers, 0, tagged=True))
             ds.set_epoch(ds.epoch + 1)
-            ds._start(max(self.num_workers, 1))  # the consumer's position: the new epoch's start
-            it = self._unwrap(nxt) if nxt is not None else iter(self)
+            started = ds.begin(max(self.num_workers, 1), tagged=True)  # the consumer's position: the new epoch's start
+            it = self._unwrap(nxt) if nxt is not None else self._unwrap(self._spawn(started))
 
-    def _taken(self) -> int:
-        """Items of the current epoch already handed out."""
-        bs = self.dataset.layout.batch_size if self.dataset.batched else 1
-        return sum(-(-c // bs) for c in self.dataset._consumed)
-
-    def _spawn(self, skip: list[int], rotation: int, epoch: int) -> Iterator[Any]:
-        ds = self.dataset
-        if self.num_workers == 0:
+    def _spawn(self, start: EpochStart) -> Iterator[Any]:
+        with self.dataset.handing_over(start):
+            # Forks the workers, which take the start with them; without workers the generator is
+            # made here, in this process, with the start bound to it.
             return super().__iter__()
-        ds._worker_start = (skip, rotation, epoch)
-        try:
-            return super().__iter__()  # forks the workers, which take _worker_start with them
-        finally:
-            ds._worker_start = None
 
     def _unwrap(self, it: Iterator[Any]) -> Iterator[Any]:
         ds = self.dataset

@@ -3,6 +3,7 @@ dashboard, on run directories written here the way the training loop writes them
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -15,6 +16,7 @@ import pytest
 from click.testing import CliRunner, Result
 from geoshard.trainer.metrics import Metrics
 from geoshard.trainer.plot import plot_steps
+from geoshard.trainer.record import StepRecord
 from geoshard.trainer.report import build_report, write_report
 
 from geoshard.cli import main
@@ -329,11 +331,11 @@ def test_metrics_served_on_loopback(tmp_path: Path) -> None:
     with Metrics(0, rank=3, region="eu-west-1") as metrics:
         assert metrics.port
         own = {("rank", "3"), ("region", "eu-west-1")}
-        first = {"step": 0, "t": 1.0, "data_wait_s": 0.5, "compute_s": 0.4, "comm_s": 0.1, "step_s": 0.9, "samples": 32}
+        first = StepRecord(step=0, rank=3, t=1.0, data_wait_s=0.5, compute_s=0.4, comm_s=0.1, step_s=0.9, samples=32)
         metrics.observe_step(first, loader_stats(1))
         before = scrape(metrics.port)
         assert ("geoshard_gpu_utilization", frozenset(own)) not in before  # not measured: absent, not 0
-        second = dict(first, step=1, t=2.0, data_wait_s=0.1, comm_s=0.2)
+        second = dataclasses.replace(first, step=1, t=2.0, data_wait_s=0.1, comm_s=0.2)
         metrics.observe_step(second, loader_stats(3), gpu_util=0.75)
         values = scrape(metrics.port)
 
@@ -353,7 +355,7 @@ def test_metrics_served_on_loopback(tmp_path: Path) -> None:
         assert v("geoshard_tier_fetch_seconds", tier="s3:us-east-1") == pytest.approx(1.2 / 4)
         assert v("geoshard_egress_bytes_total", source="us-east-1", reader="eu-west-1") == 6_000_000
         # A new loader starts its counters again: its bytes add on.
-        metrics.observe_step(dict(second, step=2, t=3.0), loader_stats(1))
+        metrics.observe_step(dataclasses.replace(second, step=2, t=3.0), loader_stats(1))
         assert scrape(metrics.port)[("geoshard_tier_bytes_total", frozenset(own | {("tier", "local")}))] == 32_000_000
         with pytest.raises(ValueError, match=r"0\.\.1"):
             metrics.observe_step(second, None, gpu_util=75.0)
@@ -364,7 +366,7 @@ def test_metrics_served_on_loopback(tmp_path: Path) -> None:
 
 def test_metrics_off_is_a_no_op() -> None:
     metrics = Metrics(None, rank=0, region="us-east-1")
-    metrics.observe_step({"step": 0, "t": 1.0, "data_wait_s": 0.5}, loader_stats(), gpu_util=0.5)
+    metrics.observe_step(StepRecord(step=0, rank=0, t=1.0, data_wait_s=0.5, compute_s=0.1, step_s=0.6), loader_stats(), gpu_util=0.5)
     metrics.close()
     assert metrics.registry is None and metrics.port is None
 

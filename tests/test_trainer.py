@@ -31,6 +31,7 @@ import torch.distributed as dist
 from alluxio_standin import AlluxioWorkerStandIn
 from click.testing import CliRunner
 from geoshard.loaders import RegionalDataset
+from geoshard.loaders.topology import Topology
 from geoshard.trainer.checkpoint import CheckpointStore
 from geoshard.trainer.comm import CommState, timed_allreduce_hook
 from geoshard.trainer.loop import forward_backward
@@ -250,20 +251,21 @@ def test_accumulation_matches_the_large_batch_and_fp16_gradients_round_then_swit
     g = torch.Generator().manual_seed(1)
     x, y = torch.rand(2 * 8, INPUT_BYTES, generator=g), torch.randint(0, NUM_CLASSES, (2 * 8,), generator=g)
 
-    full = CommState()
+    one = Topology.of(["eu-west-1"])
+    full = CommState(one)
     big = gradients(state, full, x, y, micro=1)
     assert full.seconds > 0 and full.buckets >= 1, "the hook timed the all-reduce"
     buckets = full.buckets
-    assert full.take() > 0 and full.seconds == 0 and full.buckets == 0, "take() hands the step's time over and resets"
+    assert full.take()[0] > 0 and full.seconds == 0 and full.buckets == 0, "take() hands the step's time over and resets"
     assert any(t.abs().sum() > 0 for t in big)
 
-    acc = CommState()
+    acc = CommState(one)
     two = gradients(state, acc, x, y, micro=2)  # two micro-batches of 8, accum 2
     assert acc.buckets == buckets, "only the last micro-batch all-reduces (no_sync on the first)"
     for a, b in zip(two, big, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)  # the same sums in another order
 
-    half = CommState("fp16", fp32_after_step=5)
+    half = CommState(one, "fp16", fp32_after_step=5)
     half.step = 4
     rounded = gradients(state, half, x, y, micro=1)
     for a, b in zip(rounded, big, strict=True):

@@ -15,6 +15,7 @@ from geoshard.errors import ConfigError
 
 BACKENDS = ("auto", "gloo", "nccl")
 COMPRESSIONS = ("none", "fp16")
+SYNCS = ("auto", "flat", "hierarchical")
 NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "NVLS", "NVLSTree", "PAT")
 
 
@@ -33,6 +34,7 @@ class TrainConfig:
     prefetch: int = 2
     shuffle_buffer: int = 1000
     grad_compression: str = "none"
+    sync: str = "auto"  # auto: hierarchical when the job spans regions
     fp32_after: int | None = None  # step from which gradients are exchanged in fp32 again
     checkpoint: str | None = None  # folder or s3://bucket/prefix; default RUN_DIR/checkpoints
     checkpoint_every: int = 50
@@ -46,15 +48,18 @@ class TrainConfig:
     budget: float = 0.05
     log_keys: bool = False  # every step's sample keys into keys-rank{R}.jsonl (for audits and tests)
     allow_cross_region: bool = True
+    collective_timeout: int = 600  # seconds a collective may wait for a peer before the rank fails
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "accum_steps", "checkpoint_every", "checkpoint_keep", "hidden"):
+        for name in ("steps", "batch_size", "accum_steps", "checkpoint_every", "checkpoint_keep", "hidden", "collective_timeout"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.grad_compression not in COMPRESSIONS:
             raise ConfigError(f"--grad-compression must be one of {', '.join(COMPRESSIONS)}, got {self.grad_compression!r}")
+        if self.sync not in SYNCS:
+            raise ConfigError(f"--sync must be one of {', '.join(SYNCS)}, got {self.sync!r}")
         if not 0 < self.budget < 1:
             raise ConfigError(f"--budget must lie between 0 and 1, got {self.budget}")
 

@@ -1,14 +1,49 @@
-"""Launching the trainer under torchrun on this node (what ``geoshard train`` and the demo do)."""
+"""Launching the trainer under torchrun on this machine (what ``geoshard train`` and the demo do).
+
+One region: one torchrun with ``--nproc-per-node N``. Several regions (``--regions
+us-east-1:2,eu-west-1:1``): one torchrun agent per region, as a real job has one per node, each
+with its region in GEOSHARD_REGION and its rank count, meeting at one c10d rendezvous. Under the
+WAN rehearsal each agent runs inside its region's network namespace (``wrap``) and binds its
+region's address, so every byte between regions crosses the rehearsal's links.
+"""
 
 from __future__ import annotations
 
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from geoshard.trainer.config import TrainConfig
+
+from geoshard.errors import ConfigError
+
+_REGION_SPEC = re.compile(r"^([a-z0-9][a-z0-9-]*):([0-9]+)$")
+STOP_GRACE_S = 10.0  # after one agent fails, how long the others get to stop before SIGKILL
+
+
+@dataclass(frozen=True)
+class RegionRanks:
+    region: str
+    nproc: int
+
+
+def parse_regions(text: str) -> tuple[RegionRanks, ...]:
+    """``us-east-1:2,eu-west-1:1`` → ranks per region; a ConfigError naming the part that is wrong."""
+    out: list[RegionRanks] = []
+    for part in (p.strip() for p in text.split(",")):
+        m = _REGION_SPEC.match(part)
+        if not m or int(m.group(2)) < 1:
+            raise ConfigError(f"--regions: {part!r} is not REGION:RANKS with RANKS >= 1 (e.g. us-east-1:2,eu-west-1:1)")
+        if any(r.region == m.group(1) for r in out):
+            raise ConfigError(f"--regions: {m.group(1)} appears twice")
+        out.append(RegionRanks(m.group(1), int(m.group(2))))
+    return tuple(out)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -17,11 +52,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def torchrun_argv(cfg: TrainConfig, nproc: int, max_restarts: int = 0, master_port: int | None = None) -> list[str]:
-    return [
+def torchrun_argv(
+    cfg: TrainConfig,
+    nproc: int,
+    max_restarts: int = 0,
+    master_port: int | None = None,
+    *,
+    nnodes: int = 1,
+    host: str = "127.0.0.1",
+    local_addr: str | None = None,
+    is_host: bool | None = None,
+    run_id: str = "none",
+) -> list[str]:
+    argv = [
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
         "--nproc-per-node",
         str(nproc),
         "--max-restarts",
@@ -31,19 +79,102 @@ def torchrun_argv(cfg: TrainConfig, nproc: int, max_restarts: int = 0, master_po
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        f"127.0.0.1:{master_port or free_port()}",
-        "-m",
-        "geoshard.trainer",
-        *cfg.to_argv(),
+        f"{host}:{master_port or free_port()}",
+        "--rdzv-id",
+        run_id,
     ]
+    if local_addr is not None:
+        argv += ["--local-addr", local_addr]
+    if is_host is not None:  # which agent serves the rendezvous store (it cannot tell by address inside a namespace)
+        argv += ["--rdzv-conf", f"is_host={int(is_host)}"]
+    return [*argv, "-m", "geoshard.trainer", *cfg.to_argv()]
 
 
-def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0, env: Mapping[str, str] | None = None) -> int:
-    """Run the job to the end; torchrun's exit status. ``env`` adds variables for the ranks."""
-    argv = torchrun_argv(cfg, nproc, max_restarts)
+def _base_env(env: Mapping[str, str] | None) -> dict[str, str]:
     # PYTHONSAFEPATH: `-m geoshard.trainer` must import the installed package, not a geoshard/
     # source folder that happens to be in the current directory (a checkout of this repository).
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: restarted ranks get a fresh store (see torchrun_argv).
-    full_env = {**os.environ, "PYTHONSAFEPATH": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
+    return {**os.environ, "PYTHONSAFEPATH": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
+
+
+def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0, env: Mapping[str, str] | None = None) -> int:
+    """Run a one-region job to the end; torchrun's exit status. ``env`` adds variables for the ranks."""
+    argv = torchrun_argv(cfg, nproc, max_restarts, local_addr="127.0.0.1")
     # An argv list, no shell: nothing the user passes is interpreted.
-    return subprocess.run(argv, env=full_env, check=False).returncode  # noqa: S603
+    return subprocess.run(argv, env=_base_env(env), check=False).returncode  # noqa: S603
+
+
+Wrap = Callable[[str, list[str]], list[str]]
+
+
+@dataclass(frozen=True)
+class RegionNet:
+    """Where a region's agent lives: its address, and how to run a command there (identity: here)."""
+
+    address: Callable[[str], str] = lambda region: "127.0.0.1"
+    wrap: Wrap = lambda region, argv: argv
+    env: Callable[[str], Mapping[str, str]] = lambda region: {}
+
+
+def launch_regions(
+    cfg: TrainConfig,
+    regions: Sequence[RegionRanks],
+    max_restarts: int = 0,
+    env: Mapping[str, str] | None = None,
+    net: RegionNet | None = None,
+) -> int:
+    """One torchrun agent per region, one rendezvous; the first failing agent's exit status, else 0."""
+    if cfg.region is not None:
+        raise ConfigError("--region names one region for the whole job; with --regions each region's ranks get their own")
+    net = net or RegionNet()
+    host = net.address(regions[0].region)
+    port = free_port("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0")  # noqa: S104  (only a free number is wanted)
+    run_id = f"geoshard-{os.getpid()}-{time.time_ns() % 10**9}"
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for i, r in enumerate(regions):
+            argv = torchrun_argv(
+                cfg,
+                r.nproc,
+                max_restarts,
+                port,
+                nnodes=len(regions),
+                host=host,
+                local_addr=net.address(r.region),
+                is_host=i == 0,
+                run_id=run_id,
+            )
+            agent_env = _base_env({**(env or {}), **net.env(r.region), "GEOSHARD_REGION": r.region})
+            procs.append(subprocess.Popen(net.wrap(r.region, argv), env=agent_env))  # noqa: S603
+        return _wait_all(procs)
+    finally:
+        _stop(procs)
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]]) -> int:
+    """Until every agent ends; once one fails, the rest get STOP_GRACE_S (their peers are gone)."""
+    failed_at: float | None = None
+    code = 0
+    while True:
+        running = [p for p in procs if p.poll() is None]
+        for p in procs:
+            if p.returncode not in (None, 0) and code == 0:
+                code, failed_at = p.returncode, time.monotonic()
+        if not running:
+            return code
+        if failed_at is not None and time.monotonic() - failed_at > STOP_GRACE_S:
+            return code
+        time.sleep(0.1)
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

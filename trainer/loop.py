@@ -10,10 +10,12 @@ summary to ``RUN_DIR/rank{R}.json`` at the end; rank 0 then writes the report.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -22,13 +24,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from geoshard.loaders import RegionalLoader, make_loader
 from geoshard.trainer.checkpoint import CheckpointStore
-from geoshard.trainer.comm import CommState, timed_allreduce_hook
+from geoshard.trainer.comm import CommState, hierarchical_hook, resolve_sync, timed_allreduce_hook
 from geoshard.trainer.config import TrainConfig
+from geoshard.trainer.context import RankContext
 from geoshard.trainer.metrics import Metrics
 from geoshard.trainer.model import Net, collate, to_tensors
+from geoshard.trainer.record import StepRecord
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from geoshard.errors import DataError
+from geoshard.errors import ConfigError, DataError
+from geoshard.plan import load_plan
 
 log = logging.getLogger(__name__)
 
@@ -81,30 +86,58 @@ def _keep_steps(path: Path, upto: int) -> None:
 def train(cfg: TrainConfig) -> dict[str, Any]:
     os.environ.update(network_environment(cfg))
     backend = pick_backend(cfg.backend)
-    dist.init_process_group(backend)
+    # Check what this rank can check alone before the first collective: a rank that fails inside one
+    # leaves the others waiting for it until the timeout.
+    plan = load_plan(cfg.plan)
+    if cfg.region is not None:
+        plan.region(cfg.region)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.collective_timeout))
     try:
-        return _train(cfg, backend)
+        ctx = RankContext.discover(cfg.region, backend)
+        plan.region(ctx.region)
+        return _train(cfg, ctx)
     finally:
         dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig, backend: str) -> dict[str, Any]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
+@dataclass
+class Run:
+    """The loop's working parts, built once by ``_train``."""
+
+    cfg: TrainConfig
+    ctx: RankContext
+    ddp: DDP
+    comm: CommState
+    opt: torch.optim.Optimizer
+    loader: RegionalLoader
+    store: CheckpointStore
+    metrics: Metrics
+    steps_log: TextIO
+    keys_log: TextIO | None
+    segment: int
+
+
+def loader_key(region: str, region_rank: int) -> str:
+    """A loader position is keyed by region and rank within it: a restart may renumber global ranks."""
+    return f"{region}/{region_rank}"
+
+
+def _train(cfg: TrainConfig, ctx: RankContext) -> dict[str, Any]:
+    rank, device = ctx.rank, ctx.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
     cfg.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
 
     model = Net(cfg.hidden).to(device)
-    ddp = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    comm = CommState(cfg.grad_compression, cfg.fp32_after)
-    ddp.register_comm_hook(comm, timed_allreduce_hook)
+    ddp = DDP(model, device_ids=[ctx.local_rank] if device.type == "cuda" else None)
+    sync = resolve_sync(cfg.sync, ctx.topology)
+    comm = CommState(ctx.topology, cfg.grad_compression, cfg.fp32_after)
+    ddp.register_comm_hook(comm, hierarchical_hook if sync == "hierarchical" else timed_allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=0.9)
     loader = make_loader(
         cfg.plan,
-        region=cfg.region,
+        topology=ctx.topology,
         batch_size=cfg.batch_size,
         num_workers=cfg.num_workers,
         collate_fn=collate,
@@ -113,14 +146,17 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any]:
         shuffle_buffer=cfg.shuffle_buffer,
         allow_cross_region=cfg.allow_cross_region,
     )
+    ds = loader.dataset
+    if rank == 0:
+        _announce(cfg, ctx, ds.balance, sync)
     store = CheckpointStore(cfg.checkpoint_target, keep=cfg.checkpoint_keep, endpoint_url=cfg.checkpoint_endpoint)
     step = 0
     if cfg.resume and (latest := store.load_latest()) is not None:
         step, state = latest
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-        loader.load_state_dict(state["loaders"][rank])
-        log.warning("rank %d: resumed at step %d (epoch %d)", rank, step, loader.dataset.epoch)
+        loader.load_state_dict(_loader_state(state["loaders"], ctx.region, ds.rank, rank))
+        log.warning("rank %d: resumed at step %d (epoch %d; %s rank %d)", rank, step, ds.epoch, ctx.region, ds.rank)
     steps_path = cfg.out / f"steps-rank{rank}.jsonl"
     keys_path = cfg.out / f"keys-rank{rank}.jsonl"
     for p in (steps_path, keys_path):
@@ -128,11 +164,25 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any]:
             _keep_steps(p, step)
         else:
             p.unlink(missing_ok=True)
-    metrics = Metrics(None if cfg.metrics_port is None else cfg.metrics_port + rank, rank=rank, region=loader.dataset.region)
+    segment = _next_segment(steps_path)
+    metrics = Metrics(None if cfg.metrics_port is None else cfg.metrics_port + rank, rank=rank, region=ctx.region)
     with open(steps_path, "a") as steps_log, open(keys_path, "a") if cfg.log_keys else contextlib.nullcontext() as keys_log:
-        summary = _loop(cfg, rank, world, step, ddp, comm, opt, loader, store, metrics, steps_log, keys_log, device)
+        run = Run(cfg, ctx, ddp, comm, opt, loader, store, metrics, steps_log, keys_log, segment)
+        summary = _loop(run, step)
     metrics.close()
-    summary.update(backend=backend, device=str(device), world_size=world, region=loader.dataset.region)
+    summary.update(
+        backend=ctx.backend,
+        device=str(device),
+        world_size=ctx.world_size,
+        region=ctx.region,
+        region_rank=ds.rank,
+        region_size=ds.world_size,
+        sync=sync,
+        samples_per_epoch=ds.samples_per_epoch * ds.world_size,
+        left_out_per_epoch=ds.remainder()["dropped_samples"],
+        repeated_per_epoch=ds.remainder()["padded_samples"],
+        region_samples=sum(s.samples for s in ds.manifest.shards),
+    )
     Path(cfg.out / f"rank{rank}.json").write_text(json.dumps(summary, indent=1))
     dist.barrier()
     if rank == 0:
@@ -142,23 +192,39 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any]:
     return summary
 
 
-def _loop(
-    cfg: TrainConfig,
-    rank: int,
-    world: int,
-    step: int,
-    ddp: DDP,
-    comm: CommState,
-    opt: torch.optim.Optimizer,
-    loader: RegionalLoader,
-    store: CheckpointStore,
-    metrics: Metrics,
-    steps_log: TextIO,
-    keys_log: TextIO | None,
-    device: torch.device,
-) -> dict[str, Any]:
+def _announce(cfg: TrainConfig, ctx: RankContext, balance: Any, sync: str) -> None:
+    """Rank 0 says once where the ranks are and what each epoch leaves out or repeats."""
+    print(f"geoshard.trainer: {ctx.world_size} rank(s): {ctx.topology.describe()}; gradient sync {sync}", flush=True)
+    if balance is not None:
+        print(f"geoshard.trainer: {balance.line()}", flush=True)
+        plan = load_plan(cfg.plan)
+        for warning in balance.weight_warnings({r: plan.region(r).weight for r in ctx.topology.region_names}):
+            log.warning("%s", warning)
+
+
+def _loader_state(states: Any, region: str, region_rank: int, rank: int) -> Any:
+    if isinstance(states, list):  # checkpoints of single-region versions: by global rank
+        return states[rank]
+    key = loader_key(region, region_rank)
+    if key not in states:
+        raise ConfigError(f"the checkpoint has no loader position for {key}; resume with the same ranks per region")
+    return states[key]
+
+
+def _next_segment(steps_path: Path) -> int:
+    """Each start of the loop (first run, resume, restart) is a new segment of the step log."""
+    last = -1
+    if steps_path.exists():
+        for line in steps_path.read_text().splitlines():
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                last = max(last, int(json.loads(line).get("segment", 0)))
+    return last + 1
+
+
+def _loop(run: Run, step: int) -> dict[str, Any]:
+    cfg, ctx, loader, comm = run.cfg, run.ctx, run.loader, run.comm
     if len(loader) == 0:
-        raise DataError(f"rank {rank}: this rank's share of region {loader.dataset.region} is empty")
+        raise DataError(f"rank {ctx.rank}: this rank's share of region {ctx.region} is empty")
     batches = loader.stream()  # epoch after epoch; the next epoch's workers start before this one ends
     clock = time.perf_counter
     t_loop = clock()
@@ -171,7 +237,7 @@ def _loop(
         loss_sum = 0.0
         keys: list[str] = []
         n = 0
-        opt.zero_grad(set_to_none=True)
+        run.opt.zero_grad(set_to_none=True)
         comm.step = step
         for micro in range(cfg.accum_steps):
             t0 = clock()
@@ -180,44 +246,50 @@ def _loop(
             wait += t1 - t0
             if first_batch is None:
                 first_batch = t1 - t_loop
-            x, y = to_tensors(batch, device)
-            loss_sum += forward_backward(ddp, x, y, cfg.accum_steps, last=micro == cfg.accum_steps - 1)
+            x, y = to_tensors(batch, ctx.device)
+            loss_sum += forward_backward(run.ddp, x, y, cfg.accum_steps, last=micro == cfg.accum_steps - 1)
             n += len(y)
             keys += batch["keys"]
             compute += clock() - t1
         t2 = clock()
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        run.opt.step()
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
         compute += clock() - t2
         step += 1
         samples += n
-        if keys_log is not None:  # before the checkpoint: a resume after it never redoes this step
-            keys_log.write(json.dumps({"step": step, "keys": keys}) + "\n")
-            keys_log.flush()
+        if run.keys_log is not None:  # before the checkpoint: a resume after it never redoes this step
+            run.keys_log.write(json.dumps({"step": step, "region": ctx.region, "keys": keys}) + "\n")
+            run.keys_log.flush()
         ckpt = 0.0
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            ckpt = _checkpoint(step, rank, ddp, opt, loader, store)
-        record = {
-            "step": step,
-            "rank": rank,
-            "t": clock() - t_loop,
-            "data_wait_s": wait,
-            "compute_s": compute,
-            "comm_s": comm.take(),
-            "checkpoint_s": ckpt,
-            "step_s": clock() - t_step,
-            "loss": loss_sum,
-            "samples": n,
-        }
-        steps_log.write(json.dumps(record) + "\n")
-        steps_log.flush()
-        if metrics.registry is not None:
+            ckpt = _checkpoint(step, run)
+        comm_s, intra_s, cross_s, cross_bytes = comm.take()
+        record = StepRecord(
+            step=step,
+            rank=ctx.rank,
+            t=clock() - t_loop,
+            data_wait_s=wait,
+            compute_s=compute,
+            step_s=clock() - t_step,
+            comm_s=comm_s,
+            comm_intra_s=intra_s,
+            comm_cross_s=cross_s,
+            checkpoint_s=ckpt,
+            cross_region_grad_bytes=cross_bytes,
+            loss=loss_sum,
+            samples=n,
+            region=ctx.region,
+            segment=run.segment,
+        )
+        run.steps_log.write(json.dumps(record.to_json()) + "\n")
+        run.steps_log.flush()
+        if run.metrics.registry is not None:
             util = gpu_utilization()
-            metrics.observe_step(record, loader.stats(), gpu_util=None if util is None else util / 100)
+            run.metrics.observe_step(record, loader.stats(), gpu_util=None if util is None else util / 100)
     wall = clock() - t_loop
     return {
-        "rank": rank,
+        "rank": ctx.rank,
         "wall_s": wall,
         "time_to_first_batch_s": first_batch if first_batch is not None else 0.0,
         "steps": step - start_step,
@@ -227,12 +299,14 @@ def _loop(
     }
 
 
-def _checkpoint(step: int, rank: int, ddp: DDP, opt: torch.optim.Optimizer, loader: RegionalLoader, store: CheckpointStore) -> float:
+def _checkpoint(step: int, run: Run) -> float:
     """Rank 0 writes model, optimizer and every rank's loader position; the others wait for it."""
     t0 = time.perf_counter()
-    states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, loader.state_dict())
-    if rank == 0:
-        store.save(step, {"step": step, "model": ddp.module.state_dict(), "optimizer": opt.state_dict(), "loaders": states})
+    ds = run.loader.dataset
+    states: list[Any] = [None] * run.ctx.world_size
+    dist.all_gather_object(states, (loader_key(ds.region, ds.rank), run.loader.state_dict()))
+    if run.ctx.rank == 0:
+        state = {"step": step, "model": run.ddp.module.state_dict(), "optimizer": run.opt.state_dict(), "loaders": dict(states)}
+        run.store.save(step, state)
     dist.barrier()
     return time.perf_counter() - t0

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from geoshard.errors import ConfigError
 
 if TYPE_CHECKING:
+    from geoshard.trainer.record import StepRecord
     from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
@@ -103,21 +104,19 @@ class Metrics:
         self.port = int(self._server.server_address[1])
         log.info("rank %d metrics on http://%s:%d/metrics", rank, host, self.port)
 
-    def observe_step(self, record: Mapping[str, Any], loader_stats: Mapping[str, Any] | None, *, gpu_util: float | None = None) -> None:
+    def observe_step(self, record: StepRecord, loader_stats: Mapping[str, Any] | None, *, gpu_util: float | None = None) -> None:
         """Count one step record (as written to steps-rank{R}.jsonl) and the loader's cumulative stats."""
         m = self._m
         if m is None:
             return
-        wait = max(0.0, float(record.get("data_wait_s", 0.0)))
+        wait = max(0.0, record.data_wait_s)
         self._waited += wait
         m.data_wait.inc(wait)
-        m.grad_sync.inc(max(0.0, float(record.get("comm_s", 0.0))))
-        m.samples.inc(max(0, int(record.get("samples", 0))))
-        if "step_s" in record:
-            m.step_seconds.observe(float(record["step_s"]))
-        t = float(record.get("t", 0.0))
-        if t > 0:
-            m.io_wait_share.set(min(1.0, self._waited / t))
+        m.grad_sync.inc(max(0.0, record.comm_s))
+        m.samples.inc(max(0, record.samples))
+        m.step_seconds.observe(record.step_s)
+        if record.t > 0:
+            m.io_wait_share.set(min(1.0, self._waited / record.t))
         if gpu_util is not None:
             if not 0.0 <= gpu_util <= 1.0:
                 raise ValueError(f"gpu_util is a fraction 0..1 (torch.cuda.utilization() / 100), got {gpu_util!r}")

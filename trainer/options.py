@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
-from geoshard.trainer.config import BACKENDS, COMPRESSIONS, NCCL_ALGOS, TrainConfig
+from geoshard.trainer.config import BACKENDS, COMPRESSIONS, NCCL_ALGOS, SYNCS, TrainConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _OPTIONS = [
     click.option("--plan", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Region plan (TOML)."),
-    click.option("--region", help="Region this job trains in (default: GEOSHARD_REGION, then AWS_REGION)."),
+    click.option("--region", help="Region of this node's ranks (default: GEOSHARD_REGION, then AWS_REGION)."),
     click.option("--steps", required=True, type=int, help="Optimizer steps to train."),
     click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Run folder (RUN_DIR)."),
     click.option("--batch-size", default=32, show_default=True, type=int, help="Samples per micro-batch and rank."),
@@ -25,6 +25,13 @@ _OPTIONS = [
     click.option("--prefetch", default=2, show_default=True, type=int, help="Shards fetched ahead per worker."),
     click.option("--shuffle-buffer", default=1000, show_default=True, type=int),
     click.option("--grad-compression", type=click.Choice(COMPRESSIONS), default="none", show_default=True),
+    click.option(
+        "--sync",
+        type=click.Choice(SYNCS),
+        default="auto",
+        show_default=True,
+        help="Gradient sync: flat all-reduce, or hierarchical (in region, then region leaders); auto: hierarchical across regions.",
+    ),
     click.option("--fp32-after", type=int, help="With fp16 compression: exchange fp32 gradients from this step on."),
     click.option("--checkpoint", help="Checkpoint folder or s3://bucket/prefix (default: RUN_DIR/checkpoints)."),
     click.option("--checkpoint-every", default=50, show_default=True, type=int),
@@ -38,6 +45,9 @@ _OPTIONS = [
     click.option("--budget", default=0.05, show_default=True, type=float, help="IO-wait budget, a share of wall time."),
     click.option("--log-keys/--no-log-keys", default=False, help="Record every step's sample keys (audits)."),
     click.option("--allow-cross-region/--no-allow-cross-region", default=True, help="Read other regions' buckets as a last resort."),
+    click.option(
+        "--collective-timeout", default=600, show_default=True, type=int, help="Seconds a collective waits for a peer before failing."
+    ),
 ]
 
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from geoshard.trainer.record import StepRecord
+
 from geoshard.errors import ConfigError, DataError
 from geoshard.manifest import write_atomic
 
@@ -36,8 +38,6 @@ REPORT_PNG = "report.png"
 
 _STEPS_FILE = re.compile(r"^steps-rank(\d+)\.jsonl$")
 _SUMMARY_FILE = re.compile(r"^rank(\d+)\.json$")
-_REQUIRED_SECONDS = ("t", "data_wait_s", "compute_s", "step_s")
-_OPTIONAL_SECONDS = ("comm_s", "checkpoint_s")
 _TIER_SUMS = ("hits", "bytes", "misses", "errors", "verify_failures", "fetch_seconds")
 
 
@@ -46,7 +46,7 @@ class RankRun:
     """What one rank left in RUN_DIR: its validated step records and its summary (None if absent)."""
 
     rank: int
-    steps: tuple[dict[str, Any], ...]
+    steps: tuple[StepRecord, ...]
     summary: dict[str, Any] | None
 
 
@@ -100,7 +100,7 @@ def write_report(run_dir: str | Path, report: Mapping[str, Any]) -> tuple[Path, 
     try:
         write_atomic(json_path, (json.dumps(report, indent=1, allow_nan=False) + "\n").encode())
         # The plot needs every step, which the report does not keep; read them again.
-        steps = {rank: r.steps for rank, r in read_run(d).items()}
+        steps = {rank: [s.to_json() for s in r.steps] for rank, r in read_run(d).items()}
         plot_steps(steps, png_path, budget=report.get("budget"), title=f"{d.name}: data wait and compute per step")
     except OSError as e:
         raise ConfigError(f"{d}: cannot write the report there ({e.strerror}); copy the run directory somewhere writable") from e
@@ -132,8 +132,8 @@ def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> 
         "verdict": "within budget" if share <= budget else "over budget",
         "time_to_first_batch_s": max(first_batch) if first_batch else None,
         "steps": max(r["steps"] for r in ranks),
-        "step_first": min((s[0]["step"] for s in steps), default=None),
-        "step_last": max((s[-1]["step"] for s in steps), default=None),
+        "step_first": min((s[0].step for s in steps), default=None),
+        "step_last": max((s[-1].step for s in steps), default=None),
         "samples": sum(r["samples"] for r in ranks),
         "world_size": world_size,
         # Complete when every rank of the world wrote its summary; otherwise some wall times are estimates.
@@ -154,11 +154,11 @@ def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> 
 def _rank_summary(run: RankRun) -> dict[str, Any]:
     s = run.summary or {}
     steps = run.steps
-    wait, compute, comm, checkpoint = (sum(x[k] for x in steps) for k in ("data_wait_s", "compute_s", "comm_s", "checkpoint_s"))
+    wait, compute, comm, checkpoint = (sum(getattr(x, k) for x in steps) for k in ("data_wait_s", "compute_s", "comm_s", "checkpoint_s"))
     wall = _wall(run)
     ttfb = s.get("time_to_first_batch_s")
     if not _is_number(ttfb):
-        ttfb = steps[0]["data_wait_s"] if steps else None
+        ttfb = steps[0].data_wait_s if steps else None
     gpu = s.get("gpu_util")
     return {
         "rank": run.rank,
@@ -172,7 +172,7 @@ def _rank_summary(run: RankRun) -> dict[str, Any]:
         # compute includes comm (the all-reduce overlaps backward), so only these three are disjoint.
         "other_s": _r(max(0.0, wall - wait - compute - checkpoint)),
         "steps": s["steps"] if _is_int(s.get("steps")) else len(steps),
-        "samples": s["samples"] if _is_int(s.get("samples")) else sum(x["samples"] for x in steps),
+        "samples": s["samples"] if _is_int(s.get("samples")) else sum(x.samples for x in steps),
         "time_to_first_batch_s": _r(ttfb) if ttfb is not None else None,
         "gpu_util": gpu if _is_number(gpu) else None,
         "finished": run.summary is not None,
@@ -183,12 +183,12 @@ def _after_first_batch(run: RankRun) -> tuple[float, float]:
     """(data wait, wall) of the rank after its first step: without startup and the cold first fetch."""
     if not run.steps:
         return 0.0, 0.0
-    return sum(x["data_wait_s"] for x in run.steps[1:]), _wall(run) - run.steps[0]["t"]
+    return sum(x.data_wait_s for x in run.steps[1:]), _wall(run) - run.steps[0].t
 
 
 def _wall(run: RankRun) -> float:
     """The loop's wall time; without a summary, the end of the last step."""
-    last_t: float = run.steps[-1]["t"] if run.steps else 0.0
+    last_t: float = run.steps[-1].t if run.steps else 0.0
     # Same clock for both, so a wall time shorter than the last step's end is rounding only.
     return max(float(run.summary["wall_s"]), last_t) if run.summary and "wall_s" in run.summary else last_t
 
@@ -219,7 +219,7 @@ def _merge_loader(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _read_steps(path: Path, rank: int) -> list[dict[str, Any]]:
+def _read_steps(path: Path, rank: int) -> list[StepRecord]:
     records = []
     try:
         with path.open(encoding="utf-8") as f:
@@ -233,34 +233,12 @@ def _read_steps(path: Path, rank: int) -> list[dict[str, Any]]:
                         log.warning("%s:%d: skipping an incomplete last line", path, lineno)
                         break
                     raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
-                records.append(_check_step(rec, f"{path}:{lineno}", rank))
+                records.append(StepRecord.from_json(rec, f"{path}:{lineno}", rank))
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
     except OSError as e:
         raise DataError(f"{path}: cannot read it ({e.strerror})") from e
     return records
-
-
-def _check_step(rec: Any, where: str, rank: int) -> dict[str, Any]:
-    if not isinstance(rec, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-    if not _is_int(rec.get("step")):
-        raise DataError(f"{where}: step must be an integer, got {rec.get('step')!r}")
-    if rec.get("rank", rank) != rank:
-        raise DataError(f"{where}: rank {rec['rank']!r} in the file of rank {rank}")
-    out = dict(rec)
-    for key in (*_REQUIRED_SECONDS, *_OPTIONAL_SECONDS):
-        value = rec.get(key, None if key in _REQUIRED_SECONDS else 0.0)
-        if not _is_number(value) or value < 0:
-            raise DataError(f"{where}: {key} must be a number of seconds >= 0, got {value!r}")
-        out[key] = float(value)
-    samples = rec.get("samples", 0)
-    if not _is_int(samples) or samples < 0:
-        raise DataError(f"{where}: samples must be an integer >= 0, got {samples!r}")
-    loss = rec.get("loss")
-    if loss is not None and not (isinstance(loss, int | float) and not isinstance(loss, bool)):
-        raise DataError(f"{where}: loss must be a number, got {loss!r}")
-    return out
 
 
 def _read_summary(path: Path, rank: int) -> dict[str, Any]:
@@ -296,9 +274,9 @@ def _is_loader_stats(loader: Any) -> bool:
     )
 
 
-def _mean_loss(records: Iterable[Mapping[str, Any]]) -> float | None:
+def _mean_loss(records: Iterable[StepRecord]) -> float | None:
     # Each rank logs its local loss; their mean is the global one. A diverged (NaN) loss has no JSON form.
-    losses = [float(r["loss"]) for r in records if r.get("loss") is not None]
+    losses = [r.loss for r in records if r.loss is not None]
     if not losses or not all(math.isfinite(x) for x in losses):
         return None
     return _r(sum(losses) / len(losses))
