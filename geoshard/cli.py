@@ -31,6 +31,10 @@ class _Group(click.Group):
         except GeoshardError as e:
             click.echo(f"geoshard: error: {e.message}", err=True)
             ctx.exit(e.exit_code)
+        except OSError as e:  # the environment failed (a full disk, a permission): one line, not a traceback
+            where = f"{e.filename}: " if e.filename else ""
+            click.echo(f"geoshard: error: {where}{e.strerror or e}", err=True)
+            ctx.exit(1)
 
 
 @click.group(cls=_Group, context_settings={"auto_envvar_prefix": "GEOSHARD", "help_option_names": ["-h", "--help"]})
@@ -53,6 +57,11 @@ def main(verbose: int) -> None:
 @click.option("--format", "fmt", type=click.Choice(FORMATS), help="Source format when file names do not tell.")
 @click.option("--endpoint", help="S3 endpoint for s3:// sources whose bucket is not in the plan.")
 @click.option("--replace", is_flag=True, help="Allow replacing a split of a different plan in --out.")
+@click.option(
+    "--allow-truncated-tar",
+    is_flag=True,
+    help="Split tars that end without end-of-archive blocks (each is reported with its sample count).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def split(
     sources: tuple[str, ...],
@@ -63,6 +72,7 @@ def split(
     fmt: str | None,
     endpoint: str | None,
     replace: bool,
+    allow_truncated_tar: bool,
     as_json: bool,
 ) -> None:
     """Re-shard SOURCE... by region following --plan into --out."""
@@ -79,9 +89,12 @@ def split(
         s3=s3_access(plan, endpoint),
         replace=replace,
         created=created_time(),
+        allow_truncated_tar=allow_truncated_tar,
     )
     with split_progress(enabled=not as_json) as progress:
         result = run_split(list(sources), plan, settings, progress=progress.update)
+    for url, n in result.truncated:
+        click.echo(f"geoshard: warning: {url}: tar ends without end-of-archive blocks; split the {n:,} samples it holds", err=True)
     if as_json:
         click.echo(
             json.dumps(
@@ -95,6 +108,7 @@ def split(
                     "cluster_seconds": round(result.cluster_seconds, 3),
                     "job_seconds": round(result.job_seconds, 3),
                     "regions": {n: r.to_dict() for n, r in result.manifest.regions.items()},
+                    "truncated": [{"source": url, "samples": n} for url, n in result.truncated],
                 },
                 indent=1,
             )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -182,8 +183,8 @@ def plan_from_dict(doc: dict[str, Any], source: str = "plan", text: str | None =
         if "weight" not in rd:
             raise fail(f"{prefix}weight", "missing; every region needs a weight > 0")
         weight = rd["weight"]
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-            raise fail(f"{prefix}weight", f"must be a number > 0, got {weight!r}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+            raise fail(f"{prefix}weight", f"must be a finite number > 0, got {weight!r}")
         bucket = opt_str(rd, "bucket", prefix)
         if bucket is not None and not re.match(r"^s3://[a-z0-9][a-z0-9.-]{1,62}(/.*)?$", bucket):
             raise fail(f"{prefix}bucket", f"must be an s3://bucket/prefix URL, got {bucket!r}")

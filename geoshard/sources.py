@@ -18,7 +18,6 @@ import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from geoshard.errors import ConfigError, DataError, StorageError
@@ -72,8 +71,11 @@ def braceexpand(pattern: str) -> list[str]:
 def _sniff(path: str, fmt: Format | None) -> tuple[Format, bool]:
     gz = is_gzip_name(path)
     named = format_of_name(path)
-    with open(path, "rb") as f:
-        head = f.read(512)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read source ({e.strerror}); fix its permissions or leave it out of SOURCE") from e
     if head[:2] == b"\x1f\x8b":
         gz = True
     elif len(head) >= 262 and head[257:262] == b"ustar":
@@ -113,12 +115,7 @@ def _expand_local(pattern: str, fmt: Format | None) -> list[SourceRef]:
         paths = sorted(glob.glob(pattern, recursive=True))
         paths = [p for p in paths if os.path.isfile(p)]
     elif os.path.isdir(pattern):
-        # A folder contributes the shards inside it; manifests and hidden temp files are not inputs.
-        paths = sorted(
-            str(p)
-            for p in Path(pattern).rglob("*")
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(pattern).parts) and format_of_name(p.name)
-        )
+        paths = _walk(pattern)
     elif os.path.isfile(pattern):
         paths = [pattern]
     else:
@@ -129,6 +126,22 @@ def _expand_local(pattern: str, fmt: Format | None) -> list[SourceRef]:
         f, gz = _sniff(ap, fmt)
         out.append(SourceRef(url=ap, size=os.path.getsize(ap), format=f, gzip=gz))
     return out
+
+
+def _walk(folder: str) -> list[str]:
+    """The shards under a folder; manifests and hidden temp files are not inputs.
+
+    A subfolder that cannot be listed is an error, not a silent gap: skipping it would publish
+    part of the corpus as if it were the whole."""
+
+    def refuse(e: OSError) -> None:
+        raise DataError(f"{e.filename}: cannot list source folder ({e.strerror}); fix its permissions or leave it out of SOURCE")
+
+    found = []
+    for top, dirs, files in os.walk(folder, onerror=refuse):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [os.path.join(top, f) for f in files if not f.startswith(".") and format_of_name(f)]
+    return sorted(p for p in found if os.path.isfile(p))
 
 
 def s3_client(endpoint: str | None, profile: str | None) -> Any:

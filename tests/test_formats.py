@@ -258,6 +258,8 @@ class _GeneratedTar:
             parts.append(wds.member_header(b"k%09d.bin" % self.i, 1024) + b"z" * 1024)
             have += 1536
             self.i += 1
+            if self.i == self.n:
+                parts.append(bytes(1024))  # end-of-archive blocks
         data = b"".join(parts)
         self.pending = data[size:]
         return data[:size]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Protocol
 
 CHUNK = 1 << 20
+_MAX_READ = 64 << 20  # one read() call asks for at most this: a declared size never sizes an allocation
 
 
 class Readable(Protocol):
@@ -18,10 +19,13 @@ class Readable(Protocol):
 
 
 class Window:
-    __slots__ = ("base", "buf", "chunk", "f", "pos")
+    __slots__ = ("base", "buf", "chunk", "f", "pos", "size")
 
-    def __init__(self, f: Readable, chunk: int = CHUNK) -> None:
+    def __init__(self, f: Readable, chunk: int = CHUNK, size: int | None = None) -> None:
+        """``size``: the stream's length when known (a plain file): a record or member that
+        declares more than is left fails at once, without reading or allocating it."""
         self.f = f
+        self.size = size
         self.buf = b""
         self.pos = 0  # parse position inside buf
         self.base = 0  # stream offset of buf[0]
@@ -41,7 +45,7 @@ class Window:
         self.base += self.pos
         self.pos = 0
         while have < n:
-            more = self.f.read(max(self.chunk, n - have))
+            more = self.f.read(min(max(self.chunk, n - have), _MAX_READ))
             if not more:
                 break
             parts.append(more)
@@ -51,3 +55,11 @@ class Window:
 
     def remaining(self) -> int:
         return len(self.buf) - self.pos
+
+    def fits(self, n: int) -> bool:
+        """Whether ``n`` bytes from ``pos`` can exist: False when the stream's known size says no."""
+        return self.size is None or self.offset + n <= self.size
+
+    def left(self) -> int:
+        """Bytes from ``pos`` to the end of the stream as far as known (read, or its known size)."""
+        return self.size - self.offset if self.size is not None else self.remaining()

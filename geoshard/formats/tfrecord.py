@@ -31,9 +31,10 @@ def frame(record: bytes) -> bytes:
     return b"".join((length, _U32.pack(masked_crc(length)), record, _U32.pack(masked_crc(record))))
 
 
-def iter_framed(f: Readable, name: str) -> Iterator[tuple[bytes, bytes]]:
-    """Yield ``(record, framed)`` for every record of ``f``; ``name`` labels errors."""
-    w = Window(f)
+def iter_framed(f: Readable, name: str, size: int | None = None) -> Iterator[tuple[bytes, bytes]]:
+    """Yield ``(record, framed)`` for every record of ``f``; ``name`` labels errors; ``size``, the
+    stream's length when known, refuses a declared length beyond the end before reading it."""
+    w = Window(f, size=size)
     index = 0
     unpack_header = _HEADER.unpack_from
     unpack_u32 = _U32.unpack_from
@@ -51,10 +52,10 @@ def iter_framed(f: Readable, name: str) -> Iterator[tuple[bytes, bytes]]:
             raise DataError(f"{name}: bad length CRC in record {index} at byte {w.offset}; not a TFRecord file or corrupted")
         end = pos + 12 + length + 4
         if end > len(buf):
-            if not w.fill(12 + length + 4):
+            if not (w.fits(12 + length + 4) and w.fill(12 + length + 4)):
                 raise DataError(
                     f"{name}: truncated TFRecord at byte {w.offset}: record {index} declares {length} bytes, "
-                    f"{max(0, w.remaining() - 12)} present"
+                    f"{max(0, w.left() - 12)} present"
                 )
             pos, buf = w.pos, w.buf
             end = pos + 12 + length + 4
@@ -66,8 +67,8 @@ def iter_framed(f: Readable, name: str) -> Iterator[tuple[bytes, bytes]]:
         index += 1
 
 
-def iter_records(f: Readable, name: str) -> Iterator[bytes]:
-    for data, _ in iter_framed(f, name):
+def iter_records(f: Readable, name: str, size: int | None = None) -> Iterator[bytes]:
+    for data, _ in iter_framed(f, name, size):
         yield data
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 from geoshard.errors import DataError
@@ -25,6 +25,7 @@ _adler = zlib.adler32
 _CONTROL = re.compile(rb"[\x00-\x1f\x7f]")
 
 Member = tuple[bytes, bytes]  # (full member name, data)
+OnUnterminated = Callable[[int], None]  # called with the offset where a tar without end blocks stops
 # A sample as the split moves it: its key and its members as compact tar bytes (each member one
 # header block, data, padding), ready to append to an output shard without re-encoding.
 RawSample = tuple[bytes, bytes]
@@ -54,11 +55,13 @@ def _parse_pax(data: bytes) -> dict[bytes, bytes]:
     return out
 
 
-def _members(w: Window, name: str) -> Iterator[tuple[bytes, bytes, int, int]]:
+def _members(w: Window, name: str, unterminated: OnUnterminated | None = None) -> Iterator[tuple[bytes, bytes, int, int]]:
     """Member by member: ``(member name, raw, data size, header offset)``.
 
     ``raw`` is the member as one header block, data and padding: the input's own bytes when its
-    header is a single block, else re-encoded compactly.
+    header is a single block, else re-encoded compactly. A stream that ends at a member boundary
+    without the end-of-archive blocks is a DataError (a tar cut there looks whole otherwise),
+    unless ``unterminated`` is given: it is called with the stream offset, and the members end.
     """
     long_name: bytes | None = None
     first = w.offset == 0
@@ -71,7 +74,13 @@ def _members(w: Window, name: str) -> Iterator[tuple[bytes, bytes, int, int]]:
                     raise DataError(f"{name}: truncated tar at byte {w.offset}: partial header")
                 if first:
                     raise DataError(f"{name}: empty file; not a tar archive")
-                return  # end of stream without end-of-archive blocks, as tarfile accepts
+                if unterminated is None:
+                    raise DataError(
+                        f"{name}: tar ends at byte {w.offset} without end-of-archive blocks; truncated? "
+                        "(--allow-truncated-tar splits what it holds)"
+                    )
+                unterminated(w.offset)
+                return
             pos, buf = w.pos, w.buf
         if buf[pos] == 0 and buf[pos : pos + BLOCK] == _ZERO:
             if first:
@@ -93,7 +102,9 @@ def _members(w: Window, name: str) -> Iterator[tuple[bytes, bytes, int, int]]:
         end = pos + BLOCK + ((size + BLOCK - 1) & ~(BLOCK - 1))
         if end > len(buf):
             offset = w.offset
-            if not w.fill(end - pos) and w.remaining() < BLOCK + size:
+            if w.fits(BLOCK + size):  # a declared size beyond the known end is not read (nor allocated)
+                w.fill(end - pos)
+            if w.remaining() < BLOCK + size:
                 raise DataError(f"{name}: truncated tar at byte {offset}: member declares {size} bytes")
             pos, buf = w.pos, w.buf
             end = pos + BLOCK + ((size + BLOCK - 1) & ~(BLOCK - 1))
@@ -121,12 +132,12 @@ def _members(w: Window, name: str) -> Iterator[tuple[bytes, bytes, int, int]]:
             long_name = None  # directories, links, global PAX headers: not sample members
 
 
-def _slow_samples(w: Window, name: str) -> Iterator[RawSample]:
+def _slow_samples(w: Window, name: str, unterminated: OnUnterminated | None = None) -> Iterator[RawSample]:
     """Group members into samples one member at a time (any tar dialect, precise errors)."""
     key: bytes | None = None
     parts: list[bytes] = []
     names: set[bytes] = set()
-    for member, raw, _, offset in _members(w, name):
+    for member, raw, _, offset in _members(w, name, unterminated):
         slash = member.rfind(b"/") + 1
         dot = member.find(b".", slash)
         if dot <= slash:
@@ -154,7 +165,9 @@ def _slow_samples(w: Window, name: str) -> Iterator[RawSample]:
         yield key, b"".join(parts)
 
 
-def iter_raw_windows(f: Readable, name: str) -> Iterator[tuple[bytes, list[bytes], list[int], list[int]]]:
+def iter_raw_windows(
+    f: Readable, name: str, unterminated: OnUnterminated | None = None, size: int | None = None
+) -> Iterator[tuple[bytes, list[bytes], list[int], list[int]]]:
     """Yield batches ``(buf, keys, starts, ends)``: sample i is ``buf[starts[i]:ends[i]]``.
 
     Windows of plain ustar members go through the vectorized scanner; at the first window it
@@ -162,12 +175,12 @@ def iter_raw_windows(f: Readable, name: str) -> Iterator[tuple[bytes, list[bytes
     member by member, which also gives the precise error message. Batches let hot loops slice
     samples out of one buffer without a generator step per sample.
     """
-    w = Window(f, CHUNK)
+    w = Window(f, CHUNK, size)
     while True:
         more = w.fill(CHUNK)
         r = scan(w.buf, w.pos, eof=not more)
         if r is None:
-            for key, raw in _slow_samples(w, name):
+            for key, raw in _slow_samples(w, name, unterminated):
                 yield raw, [key], [0], [len(raw)]
             return
         yield w.buf, r.keys, r.starts, r.ends
@@ -176,9 +189,9 @@ def iter_raw_windows(f: Readable, name: str) -> Iterator[tuple[bytes, list[bytes
             return
 
 
-def iter_raw_samples(f: Readable, name: str) -> Iterator[RawSample]:
+def iter_raw_samples(f: Readable, name: str, unterminated: OnUnterminated | None = None) -> Iterator[RawSample]:
     """Yield ``(key, raw)`` per sample, grouped exactly as webdataset groups members."""
-    for buf, keys, starts, ends in iter_raw_windows(f, name):
+    for buf, keys, starts, ends in iter_raw_windows(f, name, unterminated):
         for key, start, end in zip(keys, starts, ends, strict=True):
             yield key, buf[start:end]
 
@@ -186,10 +199,14 @@ def iter_raw_samples(f: Readable, name: str) -> Iterator[RawSample]:
 def raw_members(raw: bytes) -> list[Member]:
     """The ``(member name, data)`` pairs of a raw sample."""
     out = []
-    for member, mraw, size, _ in _members(Window(io.BytesIO(raw)), "sample"):
+    for member, mraw, size, _ in _members(Window(io.BytesIO(raw)), "sample", _ignore):  # a sample has no end blocks
         start = len(mraw) - ((size + BLOCK - 1) & ~(BLOCK - 1))  # data follows the header block(s)
         out.append((member, mraw[start : start + size]))
     return out
+
+
+def _ignore(offset: int) -> None:
+    pass
 
 
 def iter_samples(f: Readable, name: str) -> Iterator[tuple[bytes, list[Member]]]:

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from geoshard.errors import ConfigError, DataError, LockedError
+from geoshard.errors import ConfigError, DataError, LockedError, StorageError
 from geoshard.formats import Format
 from geoshard.manifest import (
     MANIFEST,
@@ -36,7 +36,7 @@ from geoshard.routing import RouteSpec
 from geoshard.sources import S3Access, SourceRef, expand_sources, hash_source
 from geoshard.split.groups import make_groups
 from geoshard.split.publish import KEYS, TMP, manifest_sha, publish
-from geoshard.split.task import PROGRESS_TOPIC, GroupResult, GroupTask, find_key, run_group
+from geoshard.split.task import PROGRESS_TOPIC, GroupResult, GroupTask, TaskFailed, find_key_task, run_group_task
 
 log = logging.getLogger(__name__)
 ProgressFn = Callable[[dict[str, int]], None]
@@ -52,6 +52,7 @@ class SplitSettings:
     replace: bool = False  # allow replacing a split of a different plan
     created: str | None = None  # fixed creation time (SOURCE_DATE_EPOCH) for reproducible manifests
     incremental: bool = False  # re-split only groups whose sources changed, add new sources as new groups
+    allow_truncated_tar: bool = False  # split tars that end without end-of-archive blocks; SplitResult.truncated names them
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,17 @@ class SplitResult:
     job_seconds: float = 0.0  # the tasks: from submission to the last result
     groups_run: tuple[int, ...] = ()  # groups (re-)split by this run
     unchanged: bool = False  # incremental run that found nothing to do; nothing was published
+    truncated: tuple[tuple[str, int], ...] = ()  # (source, samples read) of tars without end blocks, when allowed
 
 
 @contextmanager
 def _locked(out: Path) -> Iterator[None]:
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".geoshard.lock", "w") as f:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        f = open(out / ".geoshard.lock", "w")  # noqa: SIM115 - closed by the with below
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot write there ({e.strerror}); choose a writable folder") from e
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -99,6 +105,13 @@ def dask_client(settings: SplitSettings) -> Iterator[Any]:
 
 
 def run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, progress: ProgressFn | None = None) -> SplitResult:
+    try:
+        return _run_split(sources, plan, settings, progress)
+    except OSError as e:  # the driver's own writes (a full disk, a folder made read-only meanwhile)
+        raise StorageError(f"{e.filename or settings.out}: {e.strerror or e}; the split was not published") from e
+
+
+def _run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, progress: ProgressFn | None) -> SplitResult:
     t0 = time.monotonic()
     out = settings.out
     _check_out(out, plan, settings.replace)  # fail before listing sources; checked again under the lock
@@ -131,6 +144,7 @@ def run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, progr
                     key_feature=plan.routing.key if fmt == "tfrecord" else None,
                     tmpdir=str(tmpdir.resolve()),
                     s3=settings.s3,
+                    allow_truncated_tar=settings.allow_truncated_tar,
                 )
                 for gid, g in work
             ]
@@ -149,6 +163,7 @@ def run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, progr
         cluster_seconds=timing[0],
         job_seconds=timing[1],
         groups_run=tuple(gid for gid, _ in work),
+        truncated=tuple(t for r in results for t in r.truncated),
     )
 
 
@@ -203,10 +218,13 @@ def _run_tasks(
         t1 = time.monotonic()
         if progress is not None:
             client.subscribe_topic(PROGRESS_TOPIC, lambda event: progress(event[1]))
-        futures = client.map(run_group, tasks, pure=False, key=[f"geoshard-split-{t.group}-{os.getpid()}-{time.time_ns()}" for t in tasks])
+        keys = [f"geoshard-split-{t.group}-{os.getpid()}-{time.time_ns()}" for t in tasks]
+        futures = client.map(run_group_task, tasks, pure=False, key=keys)
         try:
             for fut in as_completed(futures):
-                res: GroupResult = fut.result()
+                res: GroupResult | TaskFailed = fut.result()
+                if isinstance(res, TaskFailed):
+                    raise res.error
                 results.append(res)
                 if progress is not None:
                     progress({"shards": len(res.shards)})
@@ -244,7 +262,9 @@ def _check_duplicates(client: Any, results: list[GroupResult], tasks: list[Group
         for g in (int(owners[order[i]]), int(owners[order[i + 1]]))
     )
     # Only the 64-bit hash came back; a task finds the key and its sources for the message.
-    found = client.submit(find_key, groups, int(sorted_h[i]), pure=False).result()
+    found = client.submit(find_key_task, groups, int(sorted_h[i]), pure=False).result()
+    if isinstance(found, TaskFailed):
+        raise found.error
     raise DataError(f"duplicate sample key {found[0]!r} in {' and '.join(found[1])}")
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from geoshard.errors import DataError
+from geoshard.errors import DataError, GeoshardError, StorageError
 from geoshard.formats import SHARD_SUFFIX, Format, tfrecord, wds
 from geoshard.formats._window import Readable
 from geoshard.hashing import FAST, MultiHasher
@@ -42,6 +42,7 @@ class GroupTask:
     key_feature: str | None  # TFRecord: the feature holding the sample key
     tmpdir: str
     s3: S3Access
+    allow_truncated_tar: bool = False  # a tar without end-of-archive blocks: split what it holds, report it
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class GroupResult:
     sources: list[SourceEntry] = field(default_factory=list)
     samples_in: int = 0
     key_hashes: bytes = b""  # sorted uint64 array
+    truncated: list[tuple[str, int]] = field(default_factory=list)  # (source, samples read) of tars without end blocks
 
 
 class _ShardWriter:
@@ -196,8 +198,12 @@ def run_group(task: GroupTask) -> GroupResult:
         for ref in task.sources:
             with open_source(ref, task.s3) as (stream, hashing):
                 route = _route_wds if task.fmt == "wds" else _route_tfrecord
-                n = route(task, ref.url, stream, writers, hashes, seen, progress.counter(hashing))
+                ends: list[int] = []
+                size = None if ref.gzip else ref.size  # known length: declared sizes are checked against it
+                n = route(task, ref.url, stream, size, ends.append, writers, hashes, seen, progress.counter(hashing))
                 hashing.drain()
+            if ends:
+                result.truncated.append((ref.url, n))
             result.samples_in += n
             result.sources.append(SourceEntry(ref.url, hashing.size, hashing.sha.hexdigest(), task.group))
             if hashing.size != ref.size:
@@ -213,6 +219,39 @@ def run_group(task: GroupTask) -> GroupResult:
     return result
 
 
+@dataclass(frozen=True)
+class TaskFailed:
+    """What a task returns instead of raising: the error travels as a value, so a worker logs no
+    'Compute Failed' traceback for bad input and the driver prints one line."""
+
+    error: GeoshardError
+
+
+def _as_value(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn`` in a task: expected failures come back as :class:`TaskFailed`.
+
+    OS errors (an unreadable file, a full disk) become a StorageError naming the file; a
+    MemoryError a DataError (declared sizes are checked before allocating; this is the backstop)."""
+    try:
+        return fn(*args)
+    except GeoshardError as e:
+        return TaskFailed(e)
+    except OSError as e:
+        where = e.filename or "split worker"
+        return TaskFailed(StorageError(f"{where}: {e.strerror or e}; the split was not published"))
+    except MemoryError:
+        return TaskFailed(DataError("out of memory in a split task; a source declares a record or member too large to hold"))
+
+
+def run_group_task(task: GroupTask) -> GroupResult | TaskFailed:
+    """:func:`run_group` as the Dask task: errors come back as values."""
+    return _as_value(run_group, task)  # type: ignore[no-any-return]
+
+
+def find_key_task(tasks: tuple[GroupTask, ...], h: int) -> tuple[str, list[str]] | TaskFailed:
+    return _as_value(find_key, tasks, h)  # type: ignore[no-any-return]
+
+
 def find_key(tasks: tuple[GroupTask, ...], h: int) -> tuple[str, list[str]]:
     """The key with 64-bit hash ``h`` and the sources holding it (for a duplicate-key error)."""
     key, where = "", []
@@ -220,7 +259,9 @@ def find_key(tasks: tuple[GroupTask, ...], h: int) -> tuple[str, list[str]]:
         for ref in task.sources:
             with open_source(ref, task.s3) as (stream, _):
                 if task.fmt == "wds":
-                    keys: Iterator[bytes] = (k for k, _ in wds.iter_raw_samples(stream, ref.url))
+                    keys: Iterator[bytes] = (
+                        k for k, _ in wds.iter_raw_samples(stream, ref.url, _skip if task.allow_truncated_tar else None)
+                    )
                 else:
                     assert task.key_feature is not None
                     keys = (feature_key(r, task.key_feature, ref.url, i) for i, r in enumerate(tfrecord.iter_records(stream, ref.url)))
@@ -232,6 +273,10 @@ def find_key(tasks: tuple[GroupTask, ...], h: int) -> tuple[str, list[str]]:
     return key, where
 
 
+def _skip(offset: int) -> None:
+    pass
+
+
 def _duplicate(key: bytes, url: str) -> DataError:
     return DataError(f"{url}: duplicate sample key {key.decode(errors='replace')!r}")
 
@@ -240,6 +285,8 @@ def _route_wds(
     task: GroupTask,
     url: str,
     stream: Readable,
+    size: int | None,
+    unterminated: Callable[[int], None],
     writers: list[_ShardWriter],
     hashes: array[int],
     seen: set[int],
@@ -254,7 +301,8 @@ def _route_wds(
     remember, known = hashes.append, seen.add
     n = 0
     # The hot loop of the split: per sample one hash, one set lookup, one list append.
-    for buf, keys, starts, ends in wds.iter_raw_windows(stream, url):
+    allow = unterminated if task.allow_truncated_tar else None
+    for buf, keys, starts, ends in wds.iter_raw_windows(stream, url, allow, size):
         mv = memoryview(buf)
         for key, start, end in zip(keys, starts, ends, strict=True):
             h = from_bytes(blake(key, digest_size=8).digest(), "little")
@@ -278,6 +326,8 @@ def _route_tfrecord(
     task: GroupTask,
     url: str,
     stream: Readable,
+    size: int | None,
+    unterminated: Callable[[int], None],
     writers: list[_ShardWriter],
     hashes: array[int],
     seen: set[int],
@@ -288,7 +338,7 @@ def _route_tfrecord(
     tvalue = route.tfrecord_value(url) if policy == "field" else None
     keyname = task.key_feature
     n = 0
-    for index, (record, framed) in enumerate(tfrecord.iter_framed(stream, url)):
+    for index, (record, framed) in enumerate(tfrecord.iter_framed(stream, url, size)):
         if keyname is not None:
             key = feature_key(record, keyname, url, index)
             wds.check_key(key, f"{url}: record {index}")
