@@ -1,0 +1,343 @@
+"""A WAN rehearsal on one machine: each region a network namespace, every packet between them
+through the forwarder, which delays and paces it as the matrix says.
+
+    with Rehearsal(load_matrix("wan.toml"), regions=("us-east-1", "eu-west-1")) as wan:
+        subprocess.run(wan.exec_argv("eu-west-1", ["python", "serve.py", wan.address("eu-west-1")]))
+
+Start-up, in order: remove what earlier crashed runs left; start the watchdog (it removes this
+run's namespaces if this process dies, even by SIGKILL); per region, a namespace with loopback up
+and a TUN device ``wan0`` holding ``198.18.0.<n>/32`` and a route to each other region; the
+forwarder, which now holds the only TUN file descriptors; the forwarder's ceiling, measured with
+no delay and no cap (about a second); then the matrix's links. Stopping reverses it: the forwarder
+exits (the TUN devices vanish with its descriptors), what still runs inside a namespace gets
+SIGTERM, then SIGKILL, and the namespaces are removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import IO, Any
+
+from geoshard.wan import netns
+from geoshard.wan.errors import NeedsRootError, WanError
+from geoshard.wan.matrix import WanMatrix
+
+log = logging.getLogger(__name__)
+
+IFNAME = "wan0"
+MTU = 65000  # large packets keep the packet rate within what a Python forwarder moves
+SUBNET = "198.18.0"  # benchmarking range (RFC 2544), used only inside our namespaces
+START_TIMEOUT = 15.0
+STOP_GRACE = 2.0
+CEILING_WINDOW = 0.4  # seconds per probe (small packets, then large ones)
+_CAP_NET_ADMIN = 12
+_CAP_SYS_ADMIN = 21  # `ip netns add` mounts the namespace
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """What the forwarder itself moves with no delay and no cap: above this, results measure the forwarder, not the link."""
+
+    packets_per_s: float  # small packets (a 1-byte UDP payload)
+    mb_per_s: float  # MTU-sized packets, 10**6 bytes per second
+
+    def __str__(self) -> str:
+        return f"forwarder ceiling: {self.packets_per_s:,.0f} packets/s, {self.mb_per_s:,.0f} MB/s ({self.mb_per_s * 8:,.0f} Mbit/s)"
+
+
+def require_root() -> None:
+    """Raise NeedsRootError (exit 2, one line) unless this process may create namespaces and TUN devices."""
+    if os.geteuid() == 0 or _has_caps(_CAP_NET_ADMIN, _CAP_SYS_ADMIN):
+        return
+    raise NeedsRootError("the WAN rehearsal needs root (CAP_NET_ADMIN) for network namespaces and TUN devices; run it as root")
+
+
+def _has_caps(*bits: int) -> bool:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            eff = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return all(eff >> b & 1 for b in bits)
+
+
+class Rehearsal:
+    def __init__(self, matrix: WanMatrix, regions: Iterable[str] | None = None, *, measure_ceiling: bool = True) -> None:
+        self.matrix = matrix
+        self.regions: tuple[str, ...] = matrix.check_regions(matrix.regions if regions is None else regions)
+        self._measure = measure_ceiling
+        self._names: dict[str, str] = {}
+        self._addresses = {r: f"{SUBNET}.{i + 1}" for i, r in enumerate(self.regions)}
+        self._forwarder: subprocess.Popen[bytes] | None = None
+        self._watchdog: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
+        self._baseline: dict[tuple[str, str], tuple[int, int, int]] = {}
+        self._ceiling: Ceiling | None = None
+        self._old_sigterm: Any = None
+
+    # -- what users of the rehearsal need -------------------------------------------------------
+
+    def address(self, region: str) -> str:
+        return self._addresses[self._known(region)]
+
+    def netns(self, region: str) -> str:
+        if not self._names:
+            raise WanError("the rehearsal is not running; use it as a context manager or call start()")
+        return self._names[self._known(region)]
+
+    def ifname(self, region: str) -> str:
+        self._known(region)
+        return IFNAME
+
+    def exec_argv(self, region: str, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside the region's namespace (``ip netns exec`` execs it: same pid, same environment)."""
+        return [netns.ip_binary(), "netns", "exec", self.netns(region), *argv]
+
+    @property
+    def ceiling(self) -> Ceiling:
+        if self._ceiling is None:
+            raise WanError("the forwarder ceiling was not measured (Rehearsal(..., measure_ceiling=False), or not started)")
+        return self._ceiling
+
+    def counters(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """Bytes and packets delivered per directed pair (src, dst) since the matrix took effect."""
+        return {k: (b, p) for k, (b, p, _) in self._pairs(since_start=True).items()}
+
+    def dropped(self) -> dict[tuple[str, str], int]:
+        """Packets dropped per directed pair because the link's buffer (queue_ms) was full."""
+        return {k: d for k, (_, _, d) in self._pairs(since_start=True).items()}
+
+    # -- lifetime --------------------------------------------------------------------------------
+
+    def __enter__(self) -> Rehearsal:
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    def start(self) -> Rehearsal:
+        require_root()
+        if self._names:
+            raise WanError("the rehearsal is already running")
+        netns.clear_stale()
+        token = secrets.token_hex(2)
+        self._names = {r: f"{netns.PREFIX}{os.getpid()}-{int(token, 16)}-{r}" for r in self.regions}
+        try:
+            self._start_watchdog()
+            fds: list[int] = []
+            try:
+                for r in self.regions:
+                    ns = self._names[r]
+                    netns.add_namespace(ns)
+                    fd, tun = netns.open_tun()
+                    fds.append(fd)
+                    peers = [self._addresses[p] for p in self.regions if p != r]
+                    netns.configure_region(ns, tun, IFNAME, self._addresses[r], peers, MTU)
+                self._start_forwarder(fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)  # the forwarder holds them now; the devices live as long as it does
+            if self._measure:
+                self._ceiling = self._measure_ceiling()
+                log.info("%s", self._ceiling)
+            self._control({"op": "links", "links": self._links()})
+            self._baseline = self._pairs(since_start=False)
+            self._catch_sigterm()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop the forwarder, what still runs in the namespaces, and remove them. Idempotent."""
+        self._release_sigterm()
+        fwd, self._forwarder = self._forwarder, None
+        if fwd is not None:
+            with contextlib.suppress(OSError, ValueError):
+                assert fwd.stdin is not None
+                fwd.stdin.write(b'{"op": "stop"}\n')
+                fwd.stdin.flush()
+            _close(fwd.stdin, fwd.stdout)
+            _reap(fwd, 5.0)
+        errors = []
+        for name in self._names.values():
+            try:
+                netns.delete_namespace(name, grace=STOP_GRACE)
+            except WanError as e:
+                errors.append(str(e))
+        self._names = {}
+        dog, self._watchdog = self._watchdog, None
+        if dog is not None:
+            _close(dog.stdin)  # a normal stop: the watchdog finds nothing left and exits
+            _reap(dog, 10.0)
+            _close(dog.stdout)
+        if errors:
+            raise WanError(f"could not remove every WAN namespace: {errors[0]}")
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _known(self, region: str) -> str:
+        if region not in self._addresses:
+            raise WanError(f"region {region!r} is not part of this rehearsal ({', '.join(self.regions)})")
+        return region
+
+    def _links(self, *, calibrate: bool = False) -> list[dict[str, Any]]:
+        links = []
+        for i, a in enumerate(self.regions):
+            for j, b in enumerate(self.regions):
+                if i == j:
+                    continue
+                if calibrate:
+                    links.append({"src": i, "dst": j, "latency_s": 0.0, "rate": None})
+                    continue
+                link = self.matrix.link(a, b)
+                rate = link.bytes_per_s
+                links.append(
+                    {
+                        "src": i,
+                        "dst": j,
+                        "latency_s": link.latency_ms / 1000,
+                        "rate": rate,
+                        # Two full packets of burst: a token bucket shallower than one packet would stall.
+                        "burst": 0 if rate is None else 2 * MTU,
+                        "queue_s": link.queue_ms / 1000,
+                    }
+                )
+        return links
+
+    def _start_watchdog(self) -> None:
+        self._watchdog = subprocess.Popen(  # noqa: S603 - argv list of our own module and names
+            [sys.executable, "-I", "-m", "geoshard.wan.watchdog", str(os.getpid()), *self._names.values()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C or a group kill aimed at us must not stop it
+        )
+        assert self._watchdog.stdout is not None
+        if _readline(self._watchdog.stdout, START_TIMEOUT) != b"watching\n":
+            raise WanError(f"the WAN watchdog did not start within {START_TIMEOUT:.0f} s")
+
+    def _start_forwarder(self, fds: list[int]) -> None:
+        self._forwarder = subprocess.Popen(  # noqa: S603 - argv list of our own module
+            [sys.executable, "-I", "-m", "geoshard.wan.forwarder"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            pass_fds=fds,
+        )
+        config = {
+            "owner": os.getpid(),
+            "regions": [{"fd": fd, "address": self._addresses[r]} for fd, r in zip(fds, self.regions, strict=True)],
+            "links": self._links(calibrate=True),
+        }
+        if self._exchange(config).get("ready") is not True:
+            raise WanError("the WAN forwarder did not start")
+
+    def _control(self, msg: dict[str, Any]) -> dict[str, Any]:
+        reply = self._exchange(msg)
+        if "error" in reply:
+            raise WanError(f"WAN forwarder: {reply['error']}")
+        return reply
+
+    def _exchange(self, msg: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            fwd = self._forwarder
+            if fwd is None or fwd.stdin is None or fwd.stdout is None:
+                raise WanError("the WAN forwarder is not running")
+            try:
+                fwd.stdin.write(json.dumps(msg).encode() + b"\n")
+                fwd.stdin.flush()
+            except OSError as e:
+                raise WanError(f"the WAN forwarder is gone (exit status {fwd.poll()})") from e
+            line = _readline(fwd.stdout, START_TIMEOUT)
+            if not line:
+                raise WanError(f"the WAN forwarder did not answer (exit status {fwd.poll()})")
+            reply: dict[str, Any] = json.loads(line)
+            return reply
+
+    def _pairs(self, *, since_start: bool) -> dict[tuple[str, str], tuple[int, int, int]]:
+        got = self._control({"op": "counters"})
+        out = {}
+        for i, j, nbytes, packets, dropped in got["pairs"]:
+            key = (self.regions[i], self.regions[j])
+            b0, p0, d0 = self._baseline.get(key, (0, 0, 0)) if since_start else (0, 0, 0)
+            out[key] = (nbytes - b0, packets - p0, dropped - d0)
+        return out
+
+    def _measure_ceiling(self) -> Ceiling:
+        """Blast UDP from the first region to the second with no delay and no cap; count what the forwarder delivers."""
+        a, b = self.regions[0], self.regions[1]
+        with netns.inside(self._names[b]):
+            rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with netns.inside(self._names[a]):
+            tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with rx, tx:
+            rx.bind((self._addresses[b], 0))  # bound, never read: the kernel drops when full, no ICMP back
+            tx.bind((self._addresses[a], 0))
+            tx.setblocking(False)
+            dest = rx.getsockname()
+            pps, _ = self._blast(tx, dest, b"x", (a, b))
+            _, bps = self._blast(tx, dest, bytes(MTU - 28), (a, b))
+        return Ceiling(packets_per_s=pps, mb_per_s=bps / 1e6)
+
+    def _blast(self, tx: socket.socket, dest: tuple[str, int], payload: bytes, pair: tuple[str, str]) -> tuple[float, float]:
+        before = self._pairs(since_start=False)[pair]
+        t0 = time.monotonic()
+        end = t0 + CEILING_WINDOW
+        send = tx.sendto
+        while time.monotonic() < end:
+            for _ in range(64):
+                try:
+                    send(payload, dest)
+                except OSError:  # the device queue is full (ENOBUFS) or the socket buffer (EAGAIN): the forwarder is behind
+                    break
+        after = self._pairs(since_start=False)[pair]
+        dt = time.monotonic() - t0
+        return (after[1] - before[1]) / dt, (after[0] - before[0]) / dt
+
+    def _catch_sigterm(self) -> None:
+        # SIGTERM's default kills us without unwinding; as SystemExit it runs stop(). Only when nobody else handles it.
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            self._old_sigterm = signal.signal(signal.SIGTERM, _sigterm_to_exit)
+
+    def _release_sigterm(self) -> None:
+        if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+
+
+def _sigterm_to_exit(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _readline(stream: IO[bytes], timeout: float) -> bytes:
+    ready, _, _ = select.select([stream], [], [], timeout)
+    return stream.readline() if ready else b""
+
+
+def _close(*streams: IO[bytes] | None) -> None:
+    for s in streams:
+        if s is not None:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+def _reap(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
