@@ -18,6 +18,17 @@ if TYPE_CHECKING:
     from geoshard.split import SplitResult
 
 
+# Wide enough for any table geoshard prints; rich never pads plain lines to it.
+UNCUT_WIDTH = 1000
+
+
+def stdout_console() -> Console:
+    """stdout for tables: the terminal's width on a terminal; otherwise (cron logs, ``| tee``,
+    a file) no width to cut cells to, since rich would assume 80 columns and write ``us-east…``."""
+    console = Console()
+    return console if console.is_terminal else Console(width=UNCUT_WIDTH)
+
+
 class CounterProgress:
     """A live line of counters summed from events (dicts of increments); draws only on a terminal.
 
@@ -81,14 +92,14 @@ def regions_table(m: Manifest, title: str) -> None:
     total = sum(r.samples for r in m.regions.values()) or 1
     for name, r in m.regions.items():
         table.add_row(name, str(r.shards), f"{r.samples:,}", human_bytes(r.bytes), f"{100 * r.samples / total:.1f}%")
-    Console().print(table)
+    stdout_console().print(table)
 
 
 def split_table(result: SplitResult) -> None:
     m = result.manifest
     rate = result.samples_in / result.seconds if result.seconds else 0.0
     regions_table(m, title=f"split generation {m.generation} ({m.format})")
-    Console().print(
+    stdout_console().print(
         f"{result.samples_in:,} samples, {human_bytes(result.bytes_in)} in {result.seconds:.1f} s "
         f"({rate:,.0f} samples/s, {result.bytes_in / 1e6 / max(result.seconds, 1e-9):.0f} MB/s)"
     )
@@ -111,4 +122,4 @@ def sync_table(report: dict[str, Any]) -> None:
             str(r["generation"]),
             status,
         )
-    Console().print(table)
+    stdout_console().print(table)

@@ -14,6 +14,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from geoshard.cli_progress import UNCUT_WIDTH, stdout_console
 from geoshard.trainer.report import DEFAULT_BUDGET, build_report, write_report
 from geoshard.units import human_bytes
 
@@ -39,7 +40,7 @@ def report(run_dir: Path, budget: float, fail_over_budget: bool, as_json: bool) 
     if as_json:
         click.echo(json.dumps(result, indent=1, allow_nan=False))
     else:
-        Console().print(Group(*_renderables(result)))
+        stdout_console().print(Group(*_renderables(result)))
         click.echo(f"report: {json_path}   plot: {png_path}")
     if fail_over_budget and not result["within_budget"]:
         click.echo(
@@ -49,9 +50,10 @@ def report(run_dir: Path, budget: float, fail_over_budget: bool, as_json: bool) 
         sys.exit(1)
 
 
-def render_report(result: Mapping[str, Any], *, width: int = 100) -> str:
-    """The report's tables as plain text (no colour), e.g. for a log at the end of training."""
-    console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
+def render_report(result: Mapping[str, Any], *, width: int | None = None) -> str:
+    """The report's tables as plain text (no colour), e.g. for a log at the end of training;
+    ``width`` None: as wide as the tables need (nothing cut)."""
+    console = Console(file=io.StringIO(), width=width or UNCUT_WIDTH, color_system=None, force_terminal=False)
     console.print(Group(*_renderables(result)))
     out = console.file
     assert isinstance(out, io.StringIO)
@@ -68,6 +70,8 @@ def _renderables(r: Mapping[str, Any]) -> list[RenderableType]:
         (r["verdict"], "bold green" if ok else "bold red"),
     )
     out: list[RenderableType] = [headline, _summary_lines(r), _breakdown_table(r), _ranks_table(r)]
+    if len(r.get("regions") or {}) > 1:
+        out.append(_regions_table(r))
     if r["tiers"]:
         out.append(_tiers_table(r))
     if r["egress_bytes"]:
@@ -134,6 +138,36 @@ def _ranks_table(r: Mapping[str, Any]) -> Table:
             row.append(f"{x['gpu_util']:.0%}" if x["gpu_util"] is not None else "-")
         table.add_row(*row)
     return table
+
+
+def _regions_table(r: Mapping[str, Any]) -> Table:
+    table = Table(title="regions", title_justify="left")
+    for col in ("region", "ranks", "IO wait", "after 1st", "1st batch", "read", "per epoch", "left out", "repeated"):
+        table.add_column(col, justify="left" if col == "region" else "right", no_wrap=True)
+    for name, g in r["regions"].items():
+        table.add_row(
+            name,
+            str(g["ranks"]),
+            Text(f"{g['io_wait_share']:.1%}", style="red" if g["io_wait_share"] > r["budget"] else "green"),
+            f"{g['io_wait_share_after_first_batch']:.1%}",
+            duration(g["time_to_first_batch_s"]) if g["time_to_first_batch_s"] is not None else "-",
+            human_bytes(sum(g["tier_bytes"].values())),
+            _count(g["samples_per_epoch"]),
+            _count(g["left_out_per_epoch"]),
+            _count(g["repeated_per_epoch"]),
+        )
+    steps = f"{human_bytes(r['cross_region_grad_bytes_per_step'])} per step" if r.get("cross_region_grad_bytes_per_step") else "none"
+    table.caption = (
+        f"across regions: data {human_bytes(r['cross_region_data_bytes'])} (goal 0), gradients {steps}; "
+        f"gradient sync {r.get('sync') or '-'}: {duration(r['grad_sync_s_per_step'])} per step and rank"
+        + (f", of which {duration(r['grad_sync_cross_s_per_step'])} between region leaders" if r.get("grad_sync_cross_s_per_step") else "")
+    )
+    table.caption_justify = "left"
+    return table
+
+
+def _count(n: Any) -> str:
+    return f"{n:,}" if isinstance(n, int) else "-"
 
 
 def _tiers_table(r: Mapping[str, Any]) -> Table:

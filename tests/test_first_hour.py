@@ -113,3 +113,43 @@ def test_sync_plan_from_the_environment_publishes(aws: SeaweedS3, tmp_path: Path
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["ok"] is True
     assert all(remote_manifest(aws, b) is not None for b in buckets.values())
+
+
+# --- 6. tables are not cut when stdout is not a terminal ------------------------------------------
+
+LONG_REGIONS = ("us-east-1-with-a-long-name-for-this-test", "eu-west-1-with-a-long-name-for-this-test")
+
+
+def _long_split(tmp: Path) -> Path:
+    from splitkit import make_corpus
+
+    plan = tmp / "plan.toml"
+    plan.write_text('[shards]\nbytes = "64KB"\n' + "".join(f"[regions.{r}]\nweight = 1\n" for r in LONG_REGIONS))
+    make_corpus(tmp / "corpus", samples=300, shard_samples=100)
+    r = run("split", tmp / "corpus", "--plan", plan, "--out", tmp / "split", "--workers", "1")
+    assert r.returncode == 0, r.stderr
+    return tmp / "split"
+
+
+def test_tables_are_whole_in_a_pipe(tmp_path: Path) -> None:
+    split = _long_split(tmp_path)
+    r = run("inspect", split)
+    assert r.returncode == 0, r.stderr
+    assert "…" not in r.stdout, r.stdout
+    rows = [line for line in r.stdout.splitlines() if "with-a-long-name" in line]
+    assert len(rows) == 2, r.stdout
+    cells = [[c.strip() for c in row.strip("│ ").split("│")] for row in rows]
+    assert sorted(c[0] for c in cells) == sorted(LONG_REGIONS)
+    assert all(c[-1].endswith("%") and len(c) == 5 for c in cells), rows
+    assert max(len(line) for line in r.stdout.splitlines()) > 80  # wider than rich's 80-column guess
+
+
+def test_report_tables_are_whole_in_a_pipe(tmp_path: Path) -> None:
+    from test_report import make_run
+
+    run_dir = make_run(tmp_path / "run")
+    r = run("report", run_dir)
+    assert r.returncode == 0, r.stderr
+    assert "…" not in r.stdout, r.stdout
+    for word in ("s3:us-east-1", "misses", "errors", "corrupt", "1st batch", "over budget"):
+        assert word in r.stdout, word
