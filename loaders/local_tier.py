@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
 from geoshard.loaders.tier import TierError, TierMissing
+
+from geoshard.manifest import temp_file
 
 
 class LocalTier:
@@ -80,7 +81,7 @@ class LocalTier:
             if self.limit_bytes is not None:
                 self._evict(len(data), keep=p)
             p.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".partial")
+            fd, tmp = temp_file(p.parent, prefix=f".{p.name}.", suffix=".partial")  # mode by umask, not mkstemp's 0600
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)

@@ -14,8 +14,9 @@ from typing import Any
 import click
 import pytest
 from servers import SeaweedS3
-from splitkit import write_plan
-from synckit import make_split, remote_manifest, sync_plan
+from splitkit import make_corpus, write_plan
+from synckit import cli, make_split, remote_manifest, sync_plan
+from test_report import make_run
 
 from geoshard.cli import main
 
@@ -121,8 +122,6 @@ LONG_REGIONS = ("us-east-1-with-a-long-name-for-this-test", "eu-west-1-with-a-lo
 
 
 def _long_split(tmp: Path) -> Path:
-    from splitkit import make_corpus
-
     plan = tmp / "plan.toml"
     plan.write_text('[shards]\nbytes = "64KB"\n' + "".join(f"[regions.{r}]\nweight = 1\n" for r in LONG_REGIONS))
     make_corpus(tmp / "corpus", samples=300, shard_samples=100)
@@ -145,11 +144,57 @@ def test_tables_are_whole_in_a_pipe(tmp_path: Path) -> None:
 
 
 def test_report_tables_are_whole_in_a_pipe(tmp_path: Path) -> None:
-    from test_report import make_run
-
     run_dir = make_run(tmp_path / "run")
     r = run("report", run_dir)
     assert r.returncode == 0, r.stderr
     assert "…" not in r.stdout, r.stdout
     for word in ("s3:us-east-1", "misses", "errors", "corrupt", "1st batch", "over budget"):
         assert word in r.stdout, word
+
+
+# --- 7. files follow the umask (a replica or report read by another user) ----------------------
+
+_WRITERS = """
+import sys
+from pathlib import Path
+from geoshard.loaders.local_tier import LocalTier
+from geoshard.trainer.checkpoint import CheckpointStore
+root = Path(sys.argv[1])
+LocalTier(root / "replica", region="eu-west-1").write("00001-0000-0123456789ab.tar", b"shard bytes")
+CheckpointStore(str(root / "ckpt")).save(3, {"w": 1})
+"""
+
+
+def _modes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_mode & 0o777 for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600)])
+def test_written_files_follow_the_umask(tmp_path: Path, umask: int, mode: int) -> None:
+    plan = write_plan(tmp_path / "plan.toml")
+    make_corpus(tmp_path / "corpus", samples=300, shard_samples=100)
+    r = run("split", tmp_path / "corpus", "--plan", plan, "--out", tmp_path / "split", "--workers", "1", umask=umask)
+    assert r.returncode == 0, r.stderr
+    run_dir = make_run(tmp_path / "run")
+    r = run("report", run_dir, umask=umask)
+    assert r.returncode == 0, r.stderr
+    p = subprocess.run([sys.executable, "-P", "-c", _WRITERS, tmp_path / "api"], capture_output=True, text=True, umask=umask, check=False)
+    assert p.returncode == 0, p.stderr
+
+    modes = {**_modes(tmp_path / "split"), **_modes(tmp_path / "api")}
+    modes.update({f: m for f, m in _modes(run_dir).items() if f.startswith("report.")})
+    assert {"manifest.json", "eu-west-1/manifest.json", "replica/00001-0000-0123456789ab.tar", "ckpt/latest.json"} <= set(modes)
+    assert {"report.json", "report.png", "ckpt/ckpt-000000003.pt"} <= set(modes)
+    assert any(f.endswith(".tar") and f.startswith("us-east-1/") for f in modes)
+    assert {f: m for f, m in modes.items() if m != mode} == {}
+
+
+def test_pulled_replica_is_readable_by_others(aws: SeaweedS3, tmp_path: Path) -> None:
+    plan, _ = sync_plan(tmp_path / "plan.toml", aws, "umask")
+    split = make_split(tmp_path, plan, samples=200)
+    assert cli("sync", split, "--plan", plan, "--create-buckets").exit_code == 0
+    r = run("pull", "--plan", plan, "--region", "eu-west-1", "--to", tmp_path / "replica", umask=0o022)
+    assert r.returncode == 0, r.stderr
+    modes = _modes(tmp_path / "replica")
+    assert "manifest.json" in modes and any(f.endswith(".tar") for f in modes)
+    assert {f: m for f, m in modes.items() if m != 0o644} == {}
