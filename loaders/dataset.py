@@ -21,7 +21,7 @@ from typing import Any
 
 from geoshard.loaders.balance import Balance, balance
 from geoshard.loaders.chain import ChainSettings, TierChain, build_chain
-from geoshard.loaders.decode import DecodeSpec, apply, collate, make_decoder
+from geoshard.loaders.decode import DecodeSpec, apply, collate, make_decoder, pack, tensor_spec
 from geoshard.loaders.epoch import Layout, Remainder, per_rank, rank_plan
 from geoshard.loaders.prefetch import Prefetcher
 from geoshard.loaders.shard import Shard
@@ -56,6 +56,8 @@ class EpochStart:
     skips: tuple[int, ...]
     rotation: int = 0
     tagged: bool = False
+    slots: Any = None  # a SlotPool shared with the training process, for TensorSpec batches (slots.py)
+    slot_tag: int = 0  # this iteration's mark on the slots its workers fill
 
     @property
     def num_workers(self) -> int:
@@ -102,6 +104,9 @@ class RegionalDataset(IterableDataset[Any]):
     ``decode="example"``, the parsed ``tf.train.Example`` as a dict of numpy arrays).
     With ``batch_size``, items are batches made by ``collate_fn`` inside the worker (what
     ``make_loader`` uses: one pickled object per batch instead of one per sample).
+    ``copy=False`` yields fields as read-only memoryviews of the mapped shard instead of ``bytes``
+    (see ``shard.py`` for their lifetime). ``decode=TensorSpec(...)`` (with ``batch_size``) makes
+    each batch a dict of tensors, decoded straight into one buffer (``decode.fill_batch``).
     """
 
     def __init__(
@@ -127,6 +132,7 @@ class RegionalDataset(IterableDataset[Any]):
         allow_cross_region: bool | None = None,
         manifest: RegionManifest | None = None,
         environ: Mapping[str, str] | None = None,
+        copy: bool = True,
     ) -> None:
         super().__init__()
         self.plan = plan if isinstance(plan, Plan) else load_plan(Path(plan))
@@ -149,6 +155,8 @@ class RegionalDataset(IterableDataset[Any]):
         self._inherited_cooldowns: dict[str, float] = {}
         self.manifest = manifest or self.chain().read_manifest()
         self.decoder = make_decoder(decode, self.manifest.format)
+        self.tensors = tensor_spec(decode, self.manifest.format, batch_size)
+        self.copy = copy and self.tensors is None  # a TensorSpec copies each field once, into its batch
         self._counts = [s.samples for s in self.manifest.shards]
         self.share = self._find_share(
             topology,
@@ -338,13 +346,14 @@ class RegionalDataset(IterableDataset[Any]):
         fmt = self.manifest.format
 
         def fetch(s: int) -> Shard:
-            return Shard(entries[s].path, chain.fetch(entries[s]), fmt)
+            return Shard(entries[s].path, chain.fetch(entries[s]), fmt, copy=self.copy)
 
         prefetcher: Prefetcher[Shard] = Prefetcher(fetch, order, self.prefetch)
         open_shards: dict[int, Shard] = {}
         decoder = self.decoder
         bs = self.layout.batch_size if self.batched else 0
         batch: list[Any] = []
+        tensors, paths = self.tensors, []  # with a TensorSpec: each sample's shard, for errors
         last = len(shard_ids) - 1
         shipped = time.monotonic()
         try:
@@ -359,9 +368,15 @@ class RegionalDataset(IterableDataset[Any]):
                     del open_shards[s]  # its last sample this epoch: let the memory go
                 if bs:
                     batch.append(item)
+                    if tensors is not None:
+                        paths.append(shard.path)
                     if len(batch) < bs and i < last:
                         continue
-                    n, item, batch = len(batch), self.collate_fn(batch), []
+                    if tensors is not None:
+                        n, item = len(batch), pack(tensors, batch, paths, start.slots, start.slot_tag, start.tagged)
+                        batch, paths = [], []
+                    else:
+                        n, item, batch = len(batch), self.collate_fn(batch), []
                 else:
                     n = 1
                 if count:

@@ -16,16 +16,17 @@ Raw samples are WebDataset dicts (``__key__`` and each field as bytes) or TFReco
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 
 from geoshard.errors import ConfigError, DataError
 from geoshard.formats.example import ExampleError, parse_example
 
-DecodeSpec = str | Sequence[Any] | Callable[[Any], Any] | None
+DecodeSpec = Union[str, Sequence[Any], Callable[[Any], Any], "TensorSpec", None]
 
 
 def parse_example_arrays(record: bytes) -> dict[str, Any]:
@@ -41,7 +42,8 @@ def parse_example_arrays(record: bytes) -> dict[str, Any]:
 
 
 def make_decoder(spec: DecodeSpec, fmt: str) -> Callable[[Any], Any] | None:
-    if spec is None:
+    """A per-sample decoder; None for raw samples and for a ``TensorSpec`` (it decodes whole batches)."""
+    if spec is None or isinstance(spec, TensorSpec):
         return None
     if spec == "example":
         if fmt != "tfrecord":
@@ -185,7 +187,7 @@ def _key(sample: Any) -> str:
     return repr(sample.get("__key__", "?")) if isinstance(sample, Mapping) else "?"
 
 
-def unpack(batch: PackedBatch, base: np.ndarray) -> dict[str, Any]:
+def unpack(batch: PackedBatch, base: Any) -> dict[str, Any]:
     """The batch's tensors: views of ``base`` (its slot, or its own array), no copy."""
     import torch
 
@@ -197,3 +199,27 @@ def unpack(batch: PackedBatch, base: np.ndarray) -> dict[str, Any]:
     if batch.keys is not None:
         out["__key__"] = batch.keys
     return out
+
+
+def tensor_spec(spec: DecodeSpec, fmt: str, batch_size: int | None) -> TensorSpec | None:
+    """``spec`` if it is a ``TensorSpec`` usable here (WebDataset shards, batches), else None."""
+    if not isinstance(spec, TensorSpec):
+        return None
+    if fmt != "wds":
+        raise ConfigError(f"decode=TensorSpec(...) reads WebDataset fields; this region's shards are {fmt}")
+    if batch_size is None:
+        raise ConfigError("decode=TensorSpec(...) makes batches: pass batch_size")
+    return spec
+
+
+def pack(spec: TensorSpec, samples: Sequence[Mapping[str, Any]], shards: Sequence[str], pool: Any, tag: int, packed: bool) -> Any:
+    """One batch: into a free slot of ``pool`` (a ``SlotPool`` shared with the training process) if
+    there is one, else into its own array. ``packed``: a ``PackedBatch`` for ``RegionalLoader`` to
+    unpack, else the dict of tensors itself."""
+    nbytes = spec.batch_bytes(len(samples))
+    slot = pool.acquire(tag, nbytes) if pool is not None else -1
+    if slot >= 0:
+        return dataclasses.replace(fill_batch(spec, samples, shards, pool.buffer(slot, nbytes)), slot=slot)
+    buf = np.empty(nbytes, dtype=np.uint8)
+    batch = fill_batch(spec, samples, shards, buf)
+    return dataclasses.replace(batch, data=buf) if packed else unpack(batch, buf)

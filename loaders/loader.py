@@ -11,12 +11,16 @@ stream comes out in the original order.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from geoshard.loaders.dataset import EpochStart, RegionalDataset, WorkerFailure
+from geoshard.loaders.decode import PackedBatch, unpack
+from geoshard.loaders.slots import SlotPool
 from geoshard.loaders.stats import merge_snapshots
 from torch.utils.data import DataLoader
 
@@ -43,6 +47,9 @@ class RegionalLoader(DataLoader[Any]):
         self.lookahead = lookahead  # batches before an epoch's end at which stream() starts the next one
         self._snapshots: dict[tuple[int, int], dict[str, Any]] = {}  # (iteration, worker) -> its latest counters
         self._iterations = 0
+        # TensorSpec batches from forked workers: shared slots (slots.py), made at the first fork.
+        self._slots: SlotPool | None = None
+        self._slot_tags: dict[int, weakref.ref[Any]] = {}  # tag -> the iteration (DataLoader iterator) using it
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         """One epoch: the dataset's current one (or the rest of it, after ``load_state_dict``)."""
@@ -72,10 +79,31 @@ class RegionalLoader(DataLoader[Any]):
             it = self._unwrap(nxt) if nxt is not None else self._unwrap(self._spawn(started))
 
     def _spawn(self, start: EpochStart) -> Iterator[Any]:
+        tag = self._slot_tag() if self.dataset.tensors is not None and self.num_workers else 0
+        if tag:
+            start = dataclasses.replace(start, slots=self._slots, slot_tag=tag)
         with self.dataset.handing_over(start):
             # Forks the workers, which take the start with them; without workers the generator is
             # made here, in this process, with the start bound to it.
-            return super().__iter__()
+            it = super().__iter__()
+        if tag:
+            self._slot_tags[tag] = weakref.ref(it)
+        return it
+
+    def _slot_tag(self) -> int:
+        """A tag for the next iteration's slots; slots of ended iterations nobody holds are freed."""
+        ds = self.dataset
+        assert ds.tensors is not None
+        if self._slots is None:
+            # Per worker: the batches DataLoader lets it queue, one being filled, two the consumer
+            # holds; twice, for stream()'s overlap of two epochs.
+            per_worker = (self.prefetch_factor or 2) + 3
+            self._slots = SlotPool(2 * self.num_workers * per_worker, ds.tensors.batch_bytes(ds.layout.batch_size))
+        self._slot_tags = {t: ref for t, ref in self._slot_tags.items() if ref() is not None}
+        live = set(self._slot_tags)
+        self._slots.reclaim(live)
+        tag = next(t for t in range(1, 256) if t not in live)  # at most a few iterations are alive
+        return tag
 
     def _unwrap(self, it: Iterator[Any]) -> Iterator[Any]:
         ds = self.dataset
@@ -91,6 +119,8 @@ class RegionalLoader(DataLoader[Any]):
                 # The next epoch's workers fork from this process: they inherit what failed.
                 ds.chain().note_cooldowns(stats.pop("cooldowns", {}))
                 self._snapshots[(iteration, worker)] = stats
+            if isinstance(item, PackedBatch):  # TensorSpec: views of its shared slot (or of its own array)
+                item = unpack(item, self._slots.open(item.slot, item.nbytes) if self._slots and item.slot >= 0 else item.data)
             yield item
 
     def set_epoch(self, epoch: int) -> None:
