@@ -7,17 +7,18 @@ PIP_FLAGS ?= -q --disable-pip-version-check
 
 .PHONY: demo test lint typecheck pytest bench clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install $(PIP_FLAGS) --upgrade pip
-	# torch is pinned to the CPU build in pyproject; strict editable mode keeps loaders/ and trainer/ namespaced.
-	$(BIN)/python -m pip install $(PIP_FLAGS) --config-settings editable_mode=strict -e '.[test]'
+	# pyproject asks for ranges; constraints.txt pins what we test (torch: the CPU build). Strict
+	# editable mode keeps loaders/ and trainer/ namespaced.
+	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt --config-settings editable_mode=strict -e '.[test]'
 	touch $@
 
 # TensorFlow interop runs in its own venv: tensorflow-io 0.37 pins numpy<2 and TF 2.16.
-$(TFVENV)/.installed:
+$(TFVENV)/.installed: constraints.txt
 	test -x $(TFVENV)/bin/python || $(PYTHON) -m venv $(TFVENV)
-	$(TFVENV)/bin/python -m pip install $(PIP_FLAGS) tensorflow-cpu==2.16.2 tensorflow-io==0.37.1
+	$(TFVENV)/bin/python -m pip install $(PIP_FLAGS) -c constraints.txt tensorflow-cpu tensorflow-io
 	touch $@
 
 demo: $(BIN)/.installed
@@ -36,7 +37,7 @@ pytest: $(BIN)/.installed $(TFVENV)/.installed
 test: lint typecheck pytest
 
 $(BIN)/.bench-installed: $(BIN)/.installed
-	$(BIN)/python -m pip install $(PIP_FLAGS) --config-settings editable_mode=strict -e '.[test,bench]'
+	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt --config-settings editable_mode=strict -e '.[test,bench]'
 	$(BIN)/python -m pip check
 	touch $@
 
