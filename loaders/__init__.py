@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from geoshard.loaders.chain import AllTiersFailed, ChainSettings, TierChain, build_chain
     from geoshard.loaders.dataset import RegionalDataset
+    from geoshard.loaders.decode import Label, Raw, TensorSpec
     from geoshard.loaders.loader import RegionalLoader, Timed, make_loader, timed
 
     from geoshard.manifest import RegionManifest, ShardEntry, read_region_manifest
@@ -35,6 +36,9 @@ _WHERE = {
     "TierChain": "geoshard.loaders.chain",
     "build_chain": "geoshard.loaders.chain",
     "RegionalDataset": "geoshard.loaders.dataset",
+    "Label": "geoshard.loaders.decode",
+    "Raw": "geoshard.loaders.decode",
+    "TensorSpec": "geoshard.loaders.decode",
     "RegionalLoader": "geoshard.loaders.loader",
     "Timed": "geoshard.loaders.loader",
     "make_loader": "geoshard.loaders.loader",
@@ -48,11 +52,14 @@ _WHERE = {
 __all__ = [
     "AllTiersFailed",
     "ChainSettings",
+    "Label",
     "Plan",
+    "Raw",
     "RegionManifest",
     "RegionalDataset",
     "RegionalLoader",
     "ShardEntry",
+    "TensorSpec",
     "TierChain",
     "Timed",
     "build_chain",
