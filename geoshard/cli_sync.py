@@ -18,7 +18,7 @@ from geoshard.retry import Backoff
 from geoshard.split import SplitSettings
 from geoshard.sync.push import SyncSettings
 
-_SYNC_KEYS = ("regions", "dry_run", "delete", "keep_generations", "workers", "retries", "create_buckets", "endpoint")
+_SYNC_KEYS = ("regions", "dry_run", "delete", "keep_generations", "workers", "retries", "create_buckets", "verify_remote", "endpoint")
 
 
 def _sync_options(f: Callable[..., None]) -> Callable[..., None]:
@@ -37,6 +37,7 @@ def _sync_options(f: Callable[..., None]) -> Callable[..., None]:
             click.option("--workers", type=click.IntRange(min=1), default=64, show_default=True, help="s5cmd --numworkers."),
             click.option("--retries", type=click.IntRange(min=0), default=2, show_default=True, help="Batch retries of failed objects."),
             click.option("--create-buckets", is_flag=True, help="Create missing buckets instead of failing."),
+            click.option("--verify-remote", is_flag=True, help="Download and hash every published shard; upload again any that differs."),
             click.option("--endpoint", help="S3 endpoint for regions without one in the plan (else AWS_ENDPOINT_URL)."),
             click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout."),
         ]
@@ -53,6 +54,7 @@ def _sync_settings(
     workers: int,
     retries: int,
     create_buckets: bool,
+    verify_remote: bool,
     endpoint: str | None,
 ) -> SyncSettings:
     return SyncSettings(
@@ -62,6 +64,7 @@ def _sync_settings(
         keep_generations=keep_generations,
         workers=workers,
         create_buckets=create_buckets,
+        verify_remote=verify_remote,
         default_endpoint=s3_access(None, endpoint).default_endpoint,
         backoff=Backoff(attempts=retries + 1, base=1.0),
     )

@@ -13,10 +13,11 @@ import json
 import os
 import secrets
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from geoshard.errors import DataError
+from geoshard.paths import plain_relative
 
 MANIFEST = "manifest.json"
 VERSION = 1
@@ -180,10 +181,8 @@ def dumps(d: dict[str, Any]) -> bytes:
 
 
 def check_relpath(path: str, name: str) -> str:
-    p = PurePosixPath(path)
-    if not path or p.is_absolute() or ".." in p.parts or "\\" in path or path.startswith("~"):
-        raise DataError(f"{name}: shard path {path!r} must be relative to the manifest and must not contain '..'")
-    return path
+    """The one path check (geoshard/paths.py): plain, relative, inside the manifest's folder."""
+    return plain_relative(path, name)
 
 
 def _load_json(path: Path) -> Any:

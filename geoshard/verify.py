@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from geoshard.manifest import MANIFEST, RegionManifest, read_manifest, read_region_manifest
+from geoshard.paths import check_shard_path, plain_relative
 
 
 @dataclass
@@ -39,7 +40,7 @@ def sha256_file(path: Path) -> tuple[str, int]:
 
 def verify_region(rdir: Path, rm: RegionManifest, report: VerifyReport) -> None:
     for s in rm.shards:
-        p = rdir / s.path
+        p = rdir / check_shard_path(s.path, str(rdir / MANIFEST))
         report.checked += 1
         if not p.is_file():
             report.missing.append(str(p))
@@ -54,7 +55,7 @@ def verify_split(directory: Path) -> tuple[dict[str, RegionManifest], VerifyRepo
     report = VerifyReport()
     regions = {}
     for name, summary in m.regions.items():
-        rpath = directory / summary.manifest
+        rpath = directory / plain_relative(summary.manifest, str(directory / MANIFEST))
         rm = read_region_manifest(rpath)
         regions[name] = rm
         verify_region(rpath.parent, rm, report)

@@ -24,6 +24,7 @@ from geoshard.loaders.tier import Tier, TierError, TierMissing, WritableTier, ma
 from geoshard.errors import ConfigError, DataError, StorageError
 from geoshard.hashing import verify_digest
 from geoshard.manifest import MANIFEST, RegionManifest, ShardEntry, parse_region_manifest
+from geoshard.paths import check_shard_path
 from geoshard.plan import Plan
 from geoshard.retry import Backoff
 
@@ -129,6 +130,8 @@ class TierChain:
                 failures.append(str(e))
                 continue
             if m.region == self.region:  # another region's bucket holds that region's manifest
+                for s in m.shards:  # a name that is not a shard's could make the local tier touch a user's file
+                    check_shard_path(s.path, f"{tier.name}/{MANIFEST}")
                 return m
             failures.append(f"{tier.name}: its {MANIFEST} describes region {m.region}")
         raise AllTiersFailed(f"region {self.region}: no tier has its {MANIFEST}: " + "; ".join(failures))

@@ -1,21 +1,28 @@
 """The local replica: a folder laid out like a region of a split (manifest paths under ``root``).
 
 Writes are atomic (temporary name, then rename), and with ``limit_bytes`` the least recently used
-shards are evicted to make room, so write-back from S3 never fills the disk.
+shards are evicted to make room, so write-back from S3 never fills the disk. The tier removes
+(as a corrupt copy, or to evict) only files of geoshard's shard name pattern: the replica may
+share its folder with the user's own files, and a manifest cannot make it delete them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import threading
 from collections.abc import Iterator
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from geoshard.loaders.tier import TierError, TierMissing
 
+from geoshard.errors import ConfigError
 from geoshard.manifest import temp_file
+from geoshard.paths import is_shard_name, plain_relative
+
+log = logging.getLogger(__name__)
 
 
 class LocalTier:
@@ -29,10 +36,10 @@ class LocalTier:
         self._lock = threading.Lock()
 
     def _path(self, path: str) -> Path:
-        p = PurePosixPath(path)
-        if p.is_absolute() or ".." in p.parts:
-            raise TierError(f"{self.name}: refusing path {path!r} outside the replica")
-        return self.root / p
+        try:
+            return self.root / plain_relative(path, self.name)
+        except ConfigError as e:
+            raise TierError(f"{self.name}: refusing path {path!r} outside the replica") from e
 
     def stat(self, path: str) -> int | None:
         try:
@@ -91,10 +98,14 @@ class LocalTier:
                 raise
 
     def remove(self, path: str) -> None:
-        self._path(path).unlink(missing_ok=True)
+        p = self._path(path)
+        if not is_shard_name(p.name):  # not a name this tier writes: the user's file, never ours to delete
+            log.warning("%s: not removing %s: not a shard name", self.name, p)
+            return
+        p.unlink(missing_ok=True)
 
     def _evict(self, incoming: int, keep: Path) -> None:
-        files = [f for f in self.root.rglob("*") if f.is_file() and not f.name.startswith(".") and f.name != "manifest.json" and f != keep]
+        files = [f for f in self.root.rglob("*") if f.is_file() and is_shard_name(f.name) and f != keep]
         sizes = {f: f.stat() for f in files}
         used = sum(s.st_size for s in sizes.values())
         for f in sorted(files, key=lambda f: sizes[f].st_mtime):  # least recently used first

@@ -105,17 +105,17 @@ def _chain(tmp_path: Path, verify: str) -> TierChain:
 )
 def test_reads_verify_the_fast_hash_by_default(tmp_path: Path, verify: str, xxh3_ok: bool, sha_ok: bool, served: bool) -> None:
     data = os.urandom(50_000)
-    (tmp_path / "s.tar").write_bytes(data)
+    (tmp_path / "00000-0000-000000000000.tar").write_bytes(data)
     sha = hashlib.sha256(data).hexdigest() if sha_ok else "0" * 64
     fast = xxhash.xxh3_128(data).hexdigest() if xxh3_ok else "0" * 32
     chain = _chain(tmp_path, verify)
     if served:
-        assert bytes(chain.fetch(ShardEntry("s.tar", 1, len(data), sha, 0, fast))) == data
+        assert bytes(chain.fetch(ShardEntry("00000-0000-000000000000.tar", 1, len(data), sha, 0, fast))) == data
     else:
-        with pytest.raises(AllTiersFailed, match=r"s\.tar does not match its manifest"):
-            chain.fetch(ShardEntry("s.tar", 1, len(data), sha, 0, fast))
+        with pytest.raises(AllTiersFailed, match=r"00000-0000-000000000000\.tar does not match its manifest"):
+            chain.fetch(ShardEntry("00000-0000-000000000000.tar", 1, len(data), sha, 0, fast))
         assert chain.stats.snapshot()["tiers"]["local:eu-west-1"]["verify_failures"] == 1
-        assert not (tmp_path / "s.tar").exists()  # a corrupt local copy is removed
+        assert not (tmp_path / "00000-0000-000000000000.tar").exists()  # a corrupt local copy (a shard name) is removed
 
 
 def test_manifest_without_the_fast_hash_is_checked_with_sha256(tmp_path: Path) -> None:

@@ -54,9 +54,9 @@ class TestLocalTier(TierContract):
     def test_write_is_atomic_and_eviction_keeps_the_limit(self, tmp_path: Path) -> None:
         t = LocalTier(tmp_path / "r", limit_bytes=10_000)
         for i in range(5):
-            t.write(f"s{i}.tar", bytes(4000))
+            t.write(f"0000{i}-0000-00000000000{i}.tar", bytes(4000))
         kept = sorted(p.name for p in (tmp_path / "r").iterdir())
-        assert sum((tmp_path / "r" / k).stat().st_size for k in kept) <= 10_000 and "s4.tar" in kept
+        assert sum((tmp_path / "r" / k).stat().st_size for k in kept) <= 10_000 and "00004-0000-000000000004.tar" in kept
         assert not [p for p in (tmp_path / "r").iterdir() if p.name.endswith(".partial")]
 
     def test_paths_outside_the_replica_are_refused(self, tmp_path: Path) -> None:

@@ -14,13 +14,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from geoshard.errors import DataError
-from geoshard.formats import SHARD_SUFFIX
 from geoshard.manifest import MANIFEST, Manifest, RegionManifest, read_region_manifest, write_atomic
+from geoshard.paths import is_shard_name
 
 log = logging.getLogger(__name__)
 TMP = ".geoshard-tmp"
 KEYS = ".geoshard-keys"  # sorted 64-bit key hashes per group: duplicate checks for incremental splits
-SHARD_SUFFIXES = tuple(SHARD_SUFFIX.values())
 
 
 def publish(out: Path, tmpdir: Path, manifest: Manifest, regions: Mapping[str, RegionManifest], keys: Mapping[int, bytes]) -> None:
@@ -51,7 +50,7 @@ def publish(out: Path, tmpdir: Path, manifest: Manifest, regions: Mapping[str, R
     for name, rm in regions.items():
         keep = previous[name] | {s.path for s in rm.shards} | {MANIFEST}
         for f in (out / name).iterdir():
-            if f.is_file() and f.name not in keep and f.name.endswith(SHARD_SUFFIXES):
+            if f.is_file() and f.name not in keep and is_shard_name(f.name):  # only what a split writes
                 log.info("removing %s (in neither this nor the previous generation)", f)
                 f.unlink()
     shutil.rmtree(tmpdir.parent, ignore_errors=True)  # the run folder and the empty .geoshard-tmp

@@ -17,6 +17,7 @@ from typing import Any
 
 from geoshard.errors import StorageError, SyncError
 from geoshard.manifest import MANIFEST, ShardEntry, parse_region_manifest, write_atomic
+from geoshard.paths import check_shard_path
 from geoshard.retry import Backoff
 from geoshard.sync.remote import Bucket, BucketTarget
 from geoshard.sync.transfer import Transfer, Transferer
@@ -62,6 +63,8 @@ def pull(
     if data is None:
         raise StorageError(f"{target.url(MANIFEST)}: no manifest in the bucket; run geoshard sync for region {target.region} first")
     manifest = parse_region_manifest(data, target.url(MANIFEST))
+    for s in manifest.shards:  # before anything is written: every path stays under --to
+        check_shard_path(s.path, target.url(MANIFEST))
     report = PullReport(region=target.region)
     root = settings.to
     root.mkdir(parents=True, exist_ok=True)

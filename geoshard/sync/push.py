@@ -10,6 +10,7 @@ A reader of the bucket therefore only ever sees a manifest whose shards are all 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -21,20 +22,22 @@ from pathlib import Path
 from typing import Any
 
 from geoshard.errors import DataError, GeoshardError, SyncError
-from geoshard.manifest import RegionManifest, ShardEntry, parse_region_manifest, read_manifest, read_region_manifest
+from geoshard.hashing import FAST
+from geoshard.manifest import RegionManifest, ShardEntry, parse_region_manifest, read_manifest, read_region_manifest, write_atomic
 from geoshard.plan import Plan
 from geoshard.retry import Backoff
 from geoshard.sync.remote import HISTORY, MANIFEST, Bucket, BucketTarget, MissingBucket, RemoteObject
 from geoshard.sync.s5cmd import S5cmdError
 from geoshard.sync.transfer import Transfer, Transferer
-from geoshard.sync.verify_local import check_local, md5_of
+from geoshard.sync.verify_local import check_local, etag_of
 
 log = logging.getLogger(__name__)
 _sleep = time.sleep  # module-level so tests can record the backoff without touching time.sleep
 ProgressFn = Callable[[dict[str, int]], None]
-# s5cmd uploads objects up to its part size (50 MiB) in one PUT, whose ETag is the MD5 of the bytes;
-# larger ones go multipart, whose ETag is not an MD5 of the object, so only their size is checked.
-SINGLE_PART_MAX = 50 * 2**20
+# The ETags of shards whose bytes matched the manifest, by sha256 (content-addressed, so an entry
+# never goes stale), kept in the region's folder: a resync compares every listed ETag without
+# reading the shards again.
+ETAG_CACHE = ".geoshard-etags.json"
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class SyncSettings:
     keep_generations: int = 1  # previous generations whose shards --delete keeps
     workers: int = 64  # s5cmd --numworkers
     create_buckets: bool = False
+    verify_remote: bool = False  # re-download and hash every published shard (ETags catch most damage without it)
     default_endpoint: str | None = None
     backoff: Backoff = field(default_factory=lambda: Backoff(attempts=3, base=1.0))
 
@@ -54,6 +58,7 @@ class RegionReport:
     region: str
     uploaded: int = 0
     skipped: int = 0
+    repaired: int = 0  # shards the bucket held with other bytes than the manifest's, uploaded again
     deleted: int = 0
     failed: int = 0
     bytes_uploaded: int = 0
@@ -148,9 +153,19 @@ def sync_region(
             f"{local.generation} with other shards; sync from the folder that produced the bucket's generation"
         )
     published = {s.path: s.sha256 for s in remote.shards} if remote else {}
+    etags = _load_etags(root)
 
-    # Shards the bucket's manifest already names, present with the right size, need no local read.
-    todo = [s for s in local.shards if not (published.get(s.path) == s.sha256 and _same_size(listing.get(s.path), s.bytes))]
+    # Shards the bucket's manifest names, listed with the size and ETag their bytes give, need no
+    # local read; any other listed ETag (an object overwritten or damaged in the bucket) is
+    # re-checked and uploaded again.
+    def intact(s: ShardEntry) -> bool:
+        obj = listing.get(s.path)
+        return published.get(s.path) == s.sha256 and obj is not None and obj.size == s.bytes and etags.get(s.sha256) == obj.etag
+
+    todo = [s for s in local.shards if not intact(s)]
+    remote_bad = _remote_mismatches(bucket, [s for s in local.shards if intact(s)]) if settings.verify_remote else []
+    todo += remote_bad
+    damaged = {s.path for s in todo if s.path in published and s.path in listing}
     rr.skipped = len(local.shards) - len(todo)
     cpus = len(os.sched_getaffinity(0))
     with ThreadPoolExecutor(max_workers=cpus) as pool:  # hashlib releases the GIL
@@ -159,13 +174,20 @@ def sync_region(
         present = {s.path for s in todo if _same_size(listing.get(s.path), s.bytes)}
         checked = pool.map(lambda s: check_local(s, root / s.path, target.region, md5=s.path in present), todo)
         md5 = {s.path: d for s, d in zip(todo, checked, strict=True) if d is not None}
+    etags.update({s.sha256: md5[s.path] for s in todo if s.path in md5})
     uploads = [s for s in todo if not (s.path in md5 and _etag_ok(listing[s.path], md5[s.path]))]
+    uploads += [s for s in remote_bad if s not in uploads]  # its bytes are wrong whatever its ETag says
+    rr.repaired = len([s for s in uploads if s.path in damaged])
+    if rr.repaired:
+        log.warning("%s: %d shard(s) in the bucket differ from the manifest; uploading them again", target.region, rr.repaired)
     rr.skipped += len(todo) - len(uploads)
     log.info(
         "%s: %d of %d shards to upload, verified locally at %.2f s", target.region, len(uploads), len(local.shards), time.monotonic() - t0
     )
     if not uploads and remote_data == local.to_json():
         rr.published = True  # already the bucket's manifest, and every shard it names is there
+        if not settings.dry_run:
+            _save_etags(root, etags)
         log.info("%s: nothing to do (%.2f s)", target.region, time.monotonic() - t0)
         if settings.delete and not settings.dry_run:
             rr.deleted = bucket.delete(_unreferenced(bucket, listing, local, settings.keep_generations))
@@ -179,9 +201,10 @@ def sync_region(
     # The MD5s that check the uploads are computed while s5cmd runs (one thread: the upload is
     # latency-bound, and s5cmd needs the other core).
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = {s.path: pool.submit(md5_of, root / s.path) for s in uploads if s.bytes <= SINGLE_PART_MAX}
+        pending = {s.path: pool.submit(etag_of, root / s.path) for s in uploads if s.path not in md5}
         _upload(uploads, root, target, transferer, settings.backoff, rr, progress)
         md5.update({p: f.result() for p, f in pending.items()})
+    etags.update({s.sha256: md5[s.path] for s in uploads})
     log.info("%s: uploads done at %.2f s", target.region, time.monotonic() - t0)
     # Readers only open manifest.json, so the history copy (for --delete's bookkeeping) can go up
     # while the check runs; manifest.json itself only after every shard it names is verified.
@@ -193,6 +216,7 @@ def sync_region(
             if obj is None or obj.size != s.bytes or (s.path in md5 and not _etag_ok(obj, md5[s.path])):
                 raise SyncError(f"{target.url(s.path)}: missing or wrong after upload (size or ETag differs); manifest not published")
         history.result()
+    _save_etags(root, {s.sha256: after[s.path].etag for s in local.shards if after[s.path].etag == etags.get(s.sha256)})
     bucket.put(MANIFEST, data)
     rr.published = True
     log.info("%s: generation %d published at %.2f s", target.region, local.generation, time.monotonic() - t0)
@@ -205,9 +229,36 @@ def _same_size(obj: RemoteObject | None, size: int) -> bool:
     return obj is not None and obj.size == size
 
 
-def _etag_ok(obj: RemoteObject, md5: str) -> bool:
-    """The MD5 ETag of a single-part upload must match; multipart ETags (with '-') are not an MD5."""
-    return "-" in obj.etag or obj.etag == md5
+def _etag_ok(obj: RemoteObject, etag: str) -> bool:
+    """The listed ETag must be the one s5cmd's upload of the local bytes gives (MD5, or multipart)."""
+    return obj.etag == etag
+
+
+def _load_etags(root: Path) -> dict[str, str]:
+    try:
+        data = json.loads((root / ETAG_CACHE).read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def _save_etags(root: Path, etags: dict[str, str]) -> None:
+    try:
+        write_atomic(root / ETAG_CACHE, json.dumps(etags, sort_keys=True).encode())
+    except OSError as e:  # a read-only split folder: the next sync reads the shards again
+        log.info("cannot cache ETags in %s: %s", root, e)
+
+
+def _remote_mismatches(bucket: Bucket, shards: Sequence[ShardEntry]) -> list[ShardEntry]:
+    """``--verify-remote``: shards whose bucket copy, downloaded and hashed, differs from the manifest."""
+
+    def wrong(s: ShardEntry) -> bool:
+        algorithm = FAST if s.xxh3_128 else "sha256"
+        return bucket.digest(s.path, algorithm) != (s.xxh3_128 or s.sha256)
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        bad = list(pool.map(wrong, shards))
+    return [s for s, b in zip(shards, bad, strict=True) if b]
 
 
 def _upload(

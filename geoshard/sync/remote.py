@@ -15,6 +15,7 @@ from typing import Any
 
 from geoshard.endpoints import display_endpoint
 from geoshard.errors import ConfigError, StorageError
+from geoshard.hashing import new as new_hash
 from geoshard.plan import Region
 from geoshard.sources import s3_client
 
@@ -130,6 +131,24 @@ class Bucket:
             raise self._fail(f"GET {path}", e) from e
         except BotoCoreError as e:
             raise self._fail(f"GET {path}", e) from e
+
+    def digest(self, path: str, algorithm: str) -> str | None:
+        """The hex digest of the object's bytes, streamed (``--verify-remote``); None when absent."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        h = new_hash(algorithm)
+        try:
+            body = self.client.get_object(Bucket=self.target.bucket, Key=self.target.key(path))["Body"]
+            with body:
+                for chunk in body.iter_chunks(1 << 20):
+                    h.update(chunk)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise self._fail(f"GET {path}", e) from e
+        except BotoCoreError as e:
+            raise self._fail(f"GET {path}", e) from e
+        return str(h.hexdigest())
 
     def put(self, path: str, data: bytes, content_type: str = "application/json") -> None:
         self._call(
