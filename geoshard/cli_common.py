@@ -36,11 +36,12 @@ def plan_option(f: F) -> F:
 def s3_access(plan: Plan | None, endpoint: str | None) -> S3Access:
     """Endpoints and profiles per bucket from the plan; the default endpoint from --endpoint or the environment."""
     env = read_environment()
-    buckets = []
+    buckets, regions = [], []
     for r in plan.regions if plan else ():
         if r.bucket_name:
             buckets.append((r.bucket_name, r.endpoint, r.profile))
-    return S3Access(default_endpoint=endpoint or env.endpoint_url, buckets=tuple(buckets))
+            regions.append((r.bucket_name, r.name))
+    return S3Access(default_endpoint=endpoint or env.endpoint_url, buckets=tuple(buckets), regions=tuple(regions))
 
 
 def created_time() -> str | None:
@@ -57,14 +58,17 @@ def name_envvars(group: click.Group, prefix: str = "GEOSHARD") -> None:
     option, keeps the two equal and lets ``--help`` show it. The parameter-derived names still
     work through the prefix (older scripts)."""
 
-    def name(option: click.Option, command: str) -> str:
-        long = next((o for o in option.opts if o.startswith("--")), option.opts[0])
-        return "_".join(p for p in (prefix, command, long.lstrip("-")) if p).upper().replace("-", "_")
-
     for param in group.params:
-        if isinstance(param, click.Option) and param.expose_value:
-            param.envvar, param.show_envvar = name(param, ""), True
-    for command_name, command in group.commands.items():
+        _name_envvar(param, prefix)
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            name_envvars(command, f"{prefix}_{name}")  # geoshard wan check --matrix: GEOSHARD_WAN_CHECK_MATRIX
+            continue
         for param in command.params:
-            if isinstance(param, click.Option) and param.expose_value:
-                param.envvar, param.show_envvar = name(param, command_name), True
+            _name_envvar(param, f"{prefix}_{name}")
+
+
+def _name_envvar(param: click.Parameter, prefix: str) -> None:
+    if isinstance(param, click.Option) and param.expose_value:
+        long = next((o for o in param.opts if o.startswith("--")), param.opts[0])
+        param.envvar, param.show_envvar = f"{prefix}_{long.lstrip('-')}".upper().replace("-", "_"), True

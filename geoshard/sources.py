@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from geoshard import s3 as s3lib
 from geoshard.errors import ConfigError, DataError, StorageError
 from geoshard.formats import Format, format_of_name, is_gzip_name
 from geoshard.formats._window import Readable
@@ -43,12 +44,16 @@ class S3Access:
 
     default_endpoint: str | None = None
     buckets: tuple[tuple[str, str | None, str | None], ...] = ()  # (bucket, endpoint, profile)
+    regions: tuple[tuple[str, str], ...] = ()  # (bucket, plan region): the client's region_name
 
     def for_bucket(self, bucket: str) -> tuple[str | None, str | None]:
         for name, endpoint, profile in self.buckets:
             if name == bucket:
                 return endpoint or self.default_endpoint, profile
         return self.default_endpoint, None
+
+    def region_of(self, bucket: str) -> str | None:
+        return dict(self.regions).get(bucket)
 
 
 def braceexpand(pattern: str) -> list[str]:
@@ -144,17 +149,9 @@ def _walk(folder: str) -> list[str]:
     return sorted(p for p in found if os.path.isfile(p))
 
 
-def s3_client(endpoint: str | None, profile: str | None) -> Any:
-    import boto3
-    from botocore.config import Config
-
-    session = boto3.session.Session(profile_name=profile) if profile else boto3.session.Session()
-    return session.client(
-        "s3",
-        endpoint_url=endpoint,
-        # A pool as wide as the parallel listings and checks sync issues on long links.
-        config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=60, max_pool_connections=32),
-    )
+def s3_client(endpoint: str | None, profile: str | None, region: str | None = None) -> Any:
+    # A pool as wide as the parallel listings and checks sync issues on long links.
+    return s3lib.client(endpoint, profile, region, s3lib.Timeouts(connect_s=5, read_s=60, attempts=3, pool=32))
 
 
 def split_s3_url(url: str) -> tuple[str, str]:
@@ -166,15 +163,11 @@ def split_s3_url(url: str) -> tuple[str, str]:
 
 
 def _s3_failure(url: str, endpoint: str | None, e: Exception) -> StorageError:
-    from botocore.exceptions import ClientError, NoCredentialsError
-
-    if isinstance(e, NoCredentialsError):
-        where = endpoint or "the default AWS endpoint"
-        return StorageError(f"{url}: no AWS credentials found for {where}; set the AWS_* variables or a profile")
-    if isinstance(e, ClientError):
-        code = e.response.get("Error", {}).get("Code", "?")
-        return StorageError(f"{url}: S3 error {code} at {endpoint or 'the default AWS endpoint'}")
-    return StorageError(f"{url}: cannot reach S3 at {endpoint or 'the default AWS endpoint'}: {type(e).__name__}")
+    f = s3lib.classify(e)
+    where = endpoint or "the default AWS endpoint"
+    if f.kind == "transient":
+        return StorageError(f"{url}: cannot reach S3 at {where}: {f.code}")
+    return StorageError(f"{url}: S3 error {f.describe()} at {where}")
 
 
 def _expand_s3(pattern: str, fmt: Format | None, s3: S3Access) -> list[SourceRef]:
@@ -182,7 +175,7 @@ def _expand_s3(pattern: str, fmt: Format | None, s3: S3Access) -> list[SourceRef
 
     bucket, key = split_s3_url(pattern)
     endpoint, profile = s3.for_bucket(bucket)
-    client = s3_client(endpoint, profile)
+    client = s3_client(endpoint, profile, s3.region_of(bucket))
     wild = _GLOB.search(key)
     prefix = key[: wild.start()] if wild else key
     out = []
@@ -238,7 +231,7 @@ def open_source(ref: SourceRef, s3: S3Access) -> Iterator[tuple[Readable, Hashin
         bucket, key = split_s3_url(ref.url)
         endpoint, profile = s3.for_bucket(bucket)
         try:
-            body = s3_client(endpoint, profile).get_object(Bucket=bucket, Key=key)["Body"]
+            body = s3_client(endpoint, profile, s3.region_of(bucket)).get_object(Bucket=bucket, Key=key)["Body"]
         except (ClientError, BotoCoreError) as e:
             raise _s3_failure(ref.url, endpoint, e) from e
         raw: Any = body

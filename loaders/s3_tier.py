@@ -7,9 +7,8 @@ from typing import Any
 
 from geoshard.loaders.tier import TierError, TierMissing
 
+from geoshard import s3
 from geoshard.endpoints import display_endpoint
-
-_MISSING = ("NoSuchKey", "404", "NotFound", "NoSuchBucket")
 
 
 class S3Tier:
@@ -25,36 +24,20 @@ class S3Tier:
         timeout_s: float = 30.0,
         name: str | None = None,
     ) -> None:
-        import boto3
-        from botocore.config import Config
-
         self.bucket, self.prefix, self.endpoint, self.region = bucket, prefix.strip("/"), endpoint, region
         self.name = name or f"s3:{region or bucket}"
-        session = boto3.session.Session(profile_name=profile) if profile else boto3.session.Session()
-        self.client: Any = session.client(
-            "s3",
-            endpoint_url=endpoint,
-            config=Config(
-                connect_timeout=min(timeout_s, 5.0),
-                read_timeout=timeout_s,
-                retries={"max_attempts": 1, "mode": "standard"},
-                max_pool_connections=16,
-            ),
-        )
+        timeouts = s3.Timeouts(connect_s=min(timeout_s, 5.0), read_s=timeout_s, attempts=1, pool=16)
+        self.client: Any = s3.client(endpoint, profile, region, timeouts)
 
     def _key(self, path: str) -> str:
         return f"{self.prefix}/{path}" if self.prefix else path
 
     def _fail(self, path: str, e: Exception) -> TierError:
-        from botocore.exceptions import ClientError
-
         where = f"{self.name} (s3://{self.bucket}/{self._key(path)} at {display_endpoint(self.endpoint)})"
-        if isinstance(e, ClientError):
-            code = str(e.response.get("Error", {}).get("Code", "?"))
-            if code in _MISSING:
-                return TierMissing(f"{where}: {code}")
-            return TierError(f"{where}: {code}")
-        return TierError(f"{where}: {type(e).__name__}")
+        f = s3.classify(e)
+        if f.kind == "missing":
+            return TierMissing(f"{where}: {f.code}")
+        return TierError(f"{where}: {f.describe()}")  # a missing bucket is an error to see, not a miss
 
     def stat(self, path: str) -> int | None:
         from botocore.exceptions import BotoCoreError, ClientError

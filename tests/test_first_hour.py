@@ -35,14 +35,21 @@ def run(*args: object, env: dict[str, str] | None = None, cwd: Path | None = Non
 # --- 5. environment variables: GEOSHARD_<COMMAND>_<OPTION>, named after the option -----------------
 
 
-def _commands() -> list[tuple[str, click.Command]]:
-    return [("", main), *sorted(main.commands.items())]
+def _commands(group: click.Group = main, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], click.Command]]:
+    """Every command (and group) with the words that invoke it: (), ("sync",), ("wan", "check"), ..."""
+    out: list[tuple[tuple[str, ...], click.Command]] = [(path, group)]
+    for name, command in sorted(group.commands.items()):
+        if isinstance(command, click.Group):
+            out += _commands(command, (*path, name))
+        else:
+            out.append(((*path, name), command))
+    return out
 
 
-def _expected_name(command: str, option: click.Option) -> str:
+def _expected_name(command: tuple[str, ...], option: click.Option) -> str:
     """What docs/cli.md promises, derived here independently: the first long option, upper-cased."""
     long = next(o for o in option.opts if o.startswith("--"))
-    return "_".join(p for p in ("GEOSHARD", command, long[2:]) if p).upper().replace("-", "_")
+    return "_".join(("GEOSHARD", *command, long[2:])).upper().replace("-", "_")
 
 
 def _env_value(option: click.Option, tmp: Path) -> tuple[str, Any]:
@@ -81,11 +88,13 @@ def test_every_option_of_every_command_reads_its_documented_variable(tmp_path: P
             raw, expected[o.name] = _env_value(o, tmp_path)
             monkeypatch.setenv(name, raw)
             checked.append(name)
-        if command:
-            args = ["x" for p in cmd.params if isinstance(p, click.Argument) and p.required]
-            ctx = cmd.make_context(command, args, parent=click.Context(main, info_name="geoshard"))
-        else:
-            ctx = main.make_context("geoshard", ["inspect", "x"])
+        parent = None
+        for word in ("geoshard", *command[:-1]):
+            parent = click.Context(main if parent is None else parent.command.commands[word], info_name=word, parent=parent)  # type: ignore[attr-defined]
+        args = ["x" for p in cmd.params if isinstance(p, click.Argument) and p.required]
+        if isinstance(cmd, click.Group):
+            args += [next(iter(cmd.commands))]
+        ctx = cmd.make_context(command[-1] if command else "geoshard", args, parent=parent)
         for o in options:
             assert ctx.params[o.name] == expected[o.name], (command, o.opts, ctx.params[o.name])
     # the names the issue tried, now as documented
@@ -98,7 +107,7 @@ def test_help_shows_each_option_variable() -> None:
     for command, cmd in _commands():
         if not command:
             continue
-        r = run(command, "--help")
+        r = run(*command, "--help")
         assert r.returncode == 0, r.stderr
         text = " ".join(r.stdout.split())  # help wraps at 80 columns
         for o in cmd.params:
@@ -236,3 +245,76 @@ def test_readme_install_section_and_code_fences() -> None:
     assert "## Install" in text and "pip install geoshard" in text and "geoshard[alluxio]" in text
     assert "/work/" not in text  # no developer's path in the demo output it shows
     assert "in timed(loader)" not in text  # the Timed object holds the waits: keep it
+
+
+# --- 9. one S3 client factory (the bucket's region, bounded waits) and one error classification --
+
+
+def test_every_s3_client_carries_the_buckets_region_and_bounded_timeouts(s3: SeaweedS3) -> None:
+    from geoshard.loaders.s3_tier import S3Tier
+    from geoshard.trainer.checkpoint import CheckpointStore
+
+    from geoshard import s3 as s3lib
+    from geoshard.plan import Region
+    from geoshard.sync.remote import Bucket, BucketTarget
+
+    region = Region("ap-southeast-2", 1, bucket="s3://b/p", endpoint=s3.endpoint)
+    clients = {
+        "factory": s3lib.client(s3.endpoint, None, "eu-west-2"),
+        "sync": Bucket(BucketTarget.of(region, None)).client,
+        "tier": S3Tier("b", "p", endpoint=s3.endpoint, region="ap-southeast-2").client,
+        "checkpoint": CheckpointStore("s3://b/p", endpoint_url=s3.endpoint, region="sa-east-1")._backend.client,  # type: ignore[union-attr]
+    }
+    regions = {name: c.meta.region_name for name, c in clients.items()}
+    assert regions == {"factory": "eu-west-2", "sync": "ap-southeast-2", "tier": "ap-southeast-2", "checkpoint": "sa-east-1"}
+    for c in clients.values():
+        assert 0 < c.meta.config.connect_timeout <= 5 and 0 < c.meta.config.read_timeout <= 120
+    # a plan region that is not an AWS region name (a lab's "dc-1") leaves the SDK's default
+    assert s3lib.bucket_region("dc-1") is None and s3lib.bucket_region("us-gov-west-1") == "us-gov-west-1"
+
+
+def test_one_classification_for_a_missing_key_and_a_missing_bucket(aws: SeaweedS3) -> None:
+    """The same failures, against the real S3 server, read the same way by the S3 tier,
+    checkpoints and sync: a missing key is a miss; a missing bucket is an error that says what
+    to change, never a silent miss (the S3 tier used to take it for one)."""
+    s3 = aws
+    from geoshard.loaders.s3_tier import S3Tier
+    from geoshard.loaders.tier import TierError, TierMissing
+    from geoshard.trainer.checkpoint import CheckpointStore
+
+    from geoshard.errors import StorageError
+    from geoshard.plan import Region
+    from geoshard.retry import Backoff
+    from geoshard.sync.remote import Bucket, BucketTarget, MissingBucket
+
+    bucket = s3.make_bucket("gs-classify")[5:]
+    tier = S3Tier(bucket, "p", endpoint=s3.endpoint, region="eu-west-1")
+    sync_bucket = Bucket(BucketTarget.of(Region("eu-west-1", 1, bucket=f"s3://{bucket}/p", endpoint=s3.endpoint), None))
+    assert tier.stat("nope.tar") is None
+    with pytest.raises(TierMissing):
+        tier.read("nope.tar")
+    assert sync_bucket.get("nope.json") is None
+    assert CheckpointStore(f"s3://{bucket}/run", endpoint_url=s3.endpoint).load_latest() is None
+
+    gone = S3Tier("gs-no-such-bucket", "p", endpoint=s3.endpoint, region="eu-west-1")
+    with pytest.raises(TierError, match="NoSuchBucket; create the bucket") as e:
+        gone.read("a.tar")
+    assert not isinstance(e.value, TierMissing)
+    with pytest.raises(MissingBucket):
+        Bucket(BucketTarget.of(Region("eu-west-1", 1, bucket="s3://gs-no-such-bucket/p", endpoint=s3.endpoint), None)).get("m.json")
+    # (a load: SeaweedFS creates a missing bucket on PUT for its admin identity; AWS would not)
+    store = CheckpointStore("s3://gs-no-such-bucket/run", endpoint_url=s3.endpoint, backoff=Backoff(attempts=1))
+    with pytest.raises(StorageError, match="NoSuchBucket; create the bucket"):
+        store.load_latest()
+
+
+def test_wrong_secret_is_one_line_with_a_remedy(s3: SeaweedS3, tmp_path: Path) -> None:
+    bucket = s3.make_bucket("gs-wrong-secret")[5:]
+    plan = tmp_path / "plan.toml"
+    plan.write_text(f'[regions.eu-west-1]\nweight = 1\nbucket = "s3://{bucket}/train"\nendpoint = "{s3.endpoint}"\n')
+    env = {**s3.env(endpoint=False), "AWS_SECRET_ACCESS_KEY": "not-the-secret-" + "x" * 20}
+    r = run("split", f"s3://{bucket}/train/", "--plan", plan, "--out", tmp_path / "out", env=env)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("geoshard: error: ") and "SignatureDoesNotMatch; check the credentials (secret key)" in lines[0]
+    assert "not-the-secret" not in r.stderr + r.stdout and not (tmp_path / "out" / "manifest.json").exists()

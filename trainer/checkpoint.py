@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from geoshard import s3
 from geoshard.endpoints import display_endpoint
 from geoshard.errors import ConfigError, DataError, StorageError
 from geoshard.manifest import write_atomic
@@ -45,16 +46,6 @@ POINTER = "latest.json"
 _NAME = re.compile(r"^ckpt-(\d{9,})\.pt$")
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _S3_PUT_LIMIT = 5 * 1024**3  # one PUT is atomic; above this S3 needs a multipart upload
-_MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
-# Client errors no retry fixes: the bucket, the credentials or the policy must change.
-_PERMANENT = {
-    "NoSuchBucket": "create the bucket or fix the target",
-    "InvalidBucketName": "fix the target",
-    "AccessDenied": "check the bucket policy and credentials",
-    "403": "access denied; check the credentials",
-    "InvalidAccessKeyId": "check the credentials (access key id)",
-    "SignatureDoesNotMatch": "check the credentials (secret key)",
-}
 
 
 def checkpoint_name(step: int) -> str:
@@ -113,40 +104,30 @@ class _LocalDir:
 
 
 class _S3Prefix:
-    def __init__(self, bucket: str, prefix: str, endpoint_url: str | None, profile: str | None) -> None:
-        import boto3
-        from botocore.config import Config
-        from botocore.exceptions import ProfileNotFound
-
+    def __init__(self, bucket: str, prefix: str, endpoint_url: str | None, profile: str | None, region: str | None = None) -> None:
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.where = f"s3://{bucket}/{self.prefix} at {display_endpoint(endpoint_url)}"
         try:
-            session = boto3.session.Session(profile_name=profile) if profile else boto3.session.Session()
-        except ProfileNotFound as e:
-            raise ConfigError(f"{self.where}: AWS profile {profile!r} not found") from e
-        # One attempt per call: the store's Backoff owns the retries, so they do not multiply.
-        config = Config(retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=5, read_timeout=120)
-        self.client: Any = session.client("s3", endpoint_url=endpoint_url, config=config)
+            # One attempt per call: the store's Backoff owns the retries, so they do not multiply.
+            self.client: Any = s3.client(endpoint_url, profile, region, s3.Timeouts(connect_s=5, read_s=120, attempts=1))
+        except ConfigError as e:
+            raise ConfigError(f"{self.where}: {e}") from e
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
 
     def _call(self, what: str, fn: Callable[[], T], missing_ok: bool = False) -> T | None:
-        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+        from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             return fn()
-        except ClientError as e:
-            code = str(e.response.get("Error", {}).get("Code", "?"))
-            if missing_ok and code in _MISSING:
+        except (ClientError, BotoCoreError) as e:
+            f = s3.classify(e)
+            if missing_ok and f.kind == "missing":
                 return None
-            if code in _PERMANENT:
-                raise StorageError(f"{self.where}: {what} failed: {code}; {_PERMANENT[code]}") from e
-            raise _Transient(f"{what}: S3 error {code}") from e
-        except NoCredentialsError as e:
-            raise StorageError(f"{self.where}: no AWS credentials found; set the AWS_* variables or pass a profile") from e
-        except BotoCoreError as e:
-            raise _Transient(f"{what}: {type(e).__name__}") from e
+            if f.kind == "missing" or f.kind == "permanent":
+                raise StorageError(f"{self.where}: {what} failed: {f.describe()}") from e
+            raise _Transient(f"{what}: S3 error {f.code}" if f.answered else f"{what}: {f.code}") from e
 
     def put(self, name: str, data: bytes) -> None:
         if len(data) > _S3_PUT_LIMIT:
@@ -177,7 +158,8 @@ class _S3Prefix:
 class CheckpointStore:
     """Saves and loads checkpoints under ``target``: a local folder or ``s3://bucket/prefix``.
 
-    S3 credentials come only from the AWS SDK chain (environment, ``profile``, instance role).
+    S3 credentials come only from the AWS SDK chain (environment, ``profile``, instance role);
+    ``region`` is the bucket's AWS region (see ``geoshard.s3.bucket_region``; None: the SDK's own).
     Storage calls are retried with ``backoff`` on OSError and S3 errors worth retrying; then a
     StorageError names the target.
     """
@@ -189,6 +171,7 @@ class CheckpointStore:
         keep: int = 2,
         endpoint_url: str | None = None,
         profile: str | None = None,
+        region: str | None = None,
         backoff: Backoff | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -209,7 +192,7 @@ class CheckpointStore:
             bucket, _, prefix = target[5:].partition("/")
             if not bucket:
                 raise ConfigError(f"{target}: an s3 checkpoint target needs a bucket: s3://bucket/prefix")
-            self._backend = _S3Prefix(bucket, prefix, endpoint_url, profile)
+            self._backend = _S3Prefix(bucket, prefix, endpoint_url, profile, region)
         elif _SCHEME.match(target) or not target:
             raise ConfigError(f"{target!r}: a checkpoint target is a local folder or s3://bucket/prefix")
         else:

@@ -40,7 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from geoshard.endpoints import display_endpoint
+from geoshard.errors import GeoshardError
 from geoshard.plan import Plan, Region
+from geoshard.s3 import classify
 from geoshard.sources import s3_client
 from geoshard.sync.remote import MANIFEST, BucketTarget
 
@@ -50,7 +52,7 @@ PROBE_OBJECT = ".geoshard-probe"
 MB = 10**6
 _SMALL_GET = 16 * 2**10
 _MIN_THROUGHPUT_OBJECT = MB  # smaller objects measure request latency more than bandwidth
-ClientFactory = Callable[[str | None, str | None], Any]
+ClientFactory = Callable[[str | None, str | None, str | None], Any]  # (endpoint, profile, plan region)
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,7 @@ def probe_region(region: Region, settings: ProbeSettings, client_factory: Client
     t0 = time.perf_counter()
     cell = ProbeCell(region=region.name, url=target.url(), endpoint=shown)
     try:
-        client = client_factory(target.endpoint, target.profile)
+        client = client_factory(target.endpoint, target.profile, target.region)
     except Exception as e:
         return _with(cell, t0, error=_describe(e, where, region.name))
     with contextlib.closing(client):
@@ -296,35 +298,23 @@ def _check_reachable(endpoint_url: str, timeout: float) -> None:
 
 def _describe(e: Exception, where: str, region: str) -> str:
     """One line naming bucket and endpoint; codes and types only (SDK messages may quote headers)."""
-    from botocore.exceptions import (
-        ClientError,
-        ConnectionClosedError,
-        ConnectTimeoutError,
-        EndpointConnectionError,
-        NoCredentialsError,
-        ProfileNotFound,
-        ReadTimeoutError,
-    )
+    from botocore.exceptions import ClientError, ConnectionClosedError, ConnectTimeoutError, EndpointConnectionError, ReadTimeoutError
 
+    if isinstance(e, GeoshardError):  # the client factory's own (a profile the AWS config lacks)
+        return f"{where}: {e.message}"
+    f = classify(e)
     if isinstance(e, ClientError):
-        code = e.response.get("Error", {}).get("Code", "?")
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        hint = {
-            "404": "bucket does not exist",
-            "NoSuchBucket": "bucket does not exist",
-            "403": "access denied; check the credentials for this region",
-            "AccessDenied": "access denied; check the credentials and bucket policy",
-            "InvalidAccessKeyId": "check the credentials for this region",
-            "SignatureDoesNotMatch": "check the secret key for this region",
-        }.get(str(code), "")
-        http = f" (HTTP {status})" if status and str(status) != str(code) else ""
-        return f"{where}: {e.operation_name} failed: {code}{http}" + (f"; {hint}" if hint else "")
-    if isinstance(e, NoCredentialsError):
+        # The probe's first request is HEAD bucket, whose 404 has no body to name the bucket.
+        remedy = "bucket does not exist" if f.code in ("404", "NoSuchBucket") else f.remedy
+        http = f" (HTTP {status})" if status and str(status) != f.code else ""
+        return f"{where}: {e.operation_name} failed: {f.code}{http}" + (f"; {remedy}" if remedy else "")
+    if f.code == "NoCredentials":
         return f"{where}: no AWS credentials found; set the AWS_* variables or regions.{region}.profile"
-    if isinstance(e, ProfileNotFound):
+    if f.code == "ProfileNotFound":
         return f"{where}: AWS profile of regions.{region}.profile not found"
     if isinstance(e, (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError, ConnectionClosedError, OSError)):
-        return f"{where}: lost the connection to the endpoint ({type(e).__name__})"
+        return f"{where}: lost the connection to the endpoint ({f.code})"
     return f"{where}: probe failed ({type(e).__name__})"
 
 

@@ -17,6 +17,7 @@ from geoshard.endpoints import display_endpoint
 from geoshard.errors import ConfigError, StorageError
 from geoshard.hashing import new as new_hash
 from geoshard.plan import Region
+from geoshard.s3 import classify
 from geoshard.sources import s3_client
 
 log = logging.getLogger(__name__)
@@ -68,28 +69,19 @@ class Bucket:
 
     def __init__(self, target: BucketTarget, client: Any = None) -> None:
         self.target = target
-        self.client = client if client is not None else s3_client(target.endpoint, target.profile)
+        self.client = client if client is not None else s3_client(target.endpoint, target.profile, target.region)
 
     def _fail(self, what: str, e: Exception) -> StorageError:
-        from botocore.exceptions import ClientError, NoCredentialsError
-
-        if isinstance(e, NoCredentialsError):
+        f = classify(e)
+        if f.bucket_missing:
+            return MissingBucket(f"{self.target.where}: bucket does not exist; create it or pass --create-buckets")
+        if f.code == "NoCredentials":
             return StorageError(
                 f"{self.target.where}: no AWS credentials found; set the AWS_* variables or regions.{self.target.region}.profile"
             )
-        if isinstance(e, ClientError):
-            code = e.response.get("Error", {}).get("Code", "?")
-            if code == "NoSuchBucket":
-                return MissingBucket(f"{self.target.where}: bucket does not exist; create it or pass --create-buckets")
-            hint = {
-                "NoSuchBucket": "create it or pass --create-buckets",
-                "InvalidAccessKeyId": "check the credentials (access key id) for this region",
-                "SignatureDoesNotMatch": "check the credentials (secret key) for this region",
-                "AccessDenied": "check the bucket policy and credentials",
-                "403": "access denied; check the credentials for this region",
-            }.get(code, "")
-            return StorageError(f"{self.target.where}: {what} failed: {code}" + (f"; {hint}" if hint else ""))
-        return StorageError(f"{self.target.where}: {what} failed: cannot reach the endpoint ({type(e).__name__})")
+        if not f.answered:
+            return StorageError(f"{self.target.where}: {what} failed: cannot reach the endpoint ({f.code})")
+        return StorageError(f"{self.target.where}: {what} failed: {f.describe()}")
 
     def _call(self, what: str, fn: Any, **kw: Any) -> Any:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -126,7 +118,7 @@ class Bucket:
                 data: bytes = body.read()
             return data
         except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+            if classify(e).kind == "missing":
                 return None
             raise self._fail(f"GET {path}", e) from e
         except BotoCoreError as e:
@@ -196,7 +188,7 @@ class Bucket:
         try:
             r = self.client.head_object(Bucket=self.target.bucket, Key=key)
         except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            if classify(e).kind == "missing":
                 return None
             raise self._fail(f"HEAD {path}", e) from e
         except BotoCoreError as e:
