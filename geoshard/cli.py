@@ -213,8 +213,9 @@ def _register() -> None:
     from geoshard.cli_report import report
     from geoshard.cli_sync import COMMANDS
     from geoshard.cli_train import train
+    from geoshard.wan.cli import wan
 
-    for command in (*COMMANDS, train, report):
+    for command in (*COMMANDS, train, report, wan):
         main.add_command(command)
     name_envvars(main)
 

@@ -75,13 +75,14 @@ class Forwarder:
     addresses: list[bytes]  # packed IPv4 address per region
     routes: list[dict[bytes, Pair]] = field(default_factory=list)  # per source region: destination address -> pair
     other_dropped: int = 0
+    late_sum: float = 0.0  # how late delayed packets left, against their due time: the forwarder's own error
+    late_max: float = 0.0
+    late_n: int = 0
     _seq: itertools.count[int] = field(default_factory=itertools.count)
     _heap: list[tuple[float, int, int, bytes, Pair]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.routes = [
-            {self.addresses[j]: Pair(dst_fd=self.fds[j]) for j in range(len(self.fds)) if j != i} for i in range(len(self.fds))
-        ]
+        self.routes = [{self.addresses[j]: Pair(dst_fd=self.fds[j]) for j in range(len(self.fds)) if j != i} for i in range(len(self.fds))]
 
     def pair(self, src: int, dst: int) -> Pair:
         return self.routes[src][self.addresses[dst]]
@@ -91,7 +92,8 @@ class Forwarder:
             self.pair(int(spec["src"]), int(spec["dst"])).configure(spec)
 
     def counters(self) -> list[list[int]]:
-        return [[i, j, p.bytes, p.packets, p.dropped] for i in range(len(self.fds)) for j in range(len(self.fds)) if j != i for p in [self.pair(i, j)]]
+        n = len(self.fds)
+        return [[i, j, p.bytes, p.packets, p.dropped] for i in range(n) for j in range(n) if j != i for p in [self.pair(i, j)]]
 
     def drain(self, src: int, now: float) -> None:
         """Read what region ``src`` sent (up to a budget) and schedule or deliver each packet."""
@@ -132,8 +134,12 @@ class Forwarder:
         """Deliver every packet that is due; returns when the next one is, or None."""
         heap = self._heap
         while heap and heap[0][0] <= now:
-            _, _, _, pkt, pair = heapq.heappop(heap)
+            due, _, _, pkt, pair = heapq.heappop(heap)
             self.deliver(pair, pkt)
+            late = now - due
+            self.late_sum += late
+            self.late_n += 1
+            self.late_max = max(self.late_max, late)
         return heap[0][0] if heap else None
 
 
@@ -173,13 +179,13 @@ def serve(config: dict[str, Any], control_in: Any, control_out: Any) -> int:
                     msg = json.loads(line)
                     op = msg.get("op")
                     if op == "stop":
-                        reply(control_out, {"stopped": True})
-                        return 0
+                        return 0  # no reply: the owner may have closed its end already
                     if op == "links":
                         fwd.set_links(msg["links"])
                         reply(control_out, {"ok": True})
                     elif op == "counters":
-                        reply(control_out, {"pairs": fwd.counters(), "other_dropped": fwd.other_dropped})
+                        late = {"n": fwd.late_n, "sum_s": fwd.late_sum, "max_s": fwd.late_max}
+                        reply(control_out, {"pairs": fwd.counters(), "other_dropped": fwd.other_dropped, "late": late})
                     else:
                         reply(control_out, {"error": f"unknown op {op!r}"})
         next_due = fwd.release(time.monotonic())

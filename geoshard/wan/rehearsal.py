@@ -59,9 +59,21 @@ class Ceiling:
         return f"forwarder ceiling: {self.packets_per_s:,.0f} packets/s, {self.mb_per_s:,.0f} MB/s ({self.mb_per_s * 8:,.0f} Mbit/s)"
 
 
+@dataclass(frozen=True)
+class Lateness:
+    """How late the forwarder let delayed packets go, against their due time (its timer's error)."""
+
+    packets: int
+    mean_ms: float
+    max_ms: float
+
+
 def require_root() -> None:
-    """Raise NeedsRootError (exit 2, one line) unless this process may create namespaces and TUN devices."""
-    if os.geteuid() == 0 or _has_caps(_CAP_NET_ADMIN, _CAP_SYS_ADMIN):
+    """Raise NeedsRootError (exit 2, one line) unless this process may create namespaces and TUN devices.
+
+    It checks the effective capabilities, not the uid: root in a container without CAP_NET_ADMIN
+    would otherwise fail later with a less helpful message."""
+    if _has_caps(_CAP_NET_ADMIN, _CAP_SYS_ADMIN):
         return
     raise NeedsRootError("the WAN rehearsal needs root (CAP_NET_ADMIN) for network namespaces and TUN devices; run it as root")
 
@@ -108,6 +120,10 @@ class Rehearsal:
         return [netns.ip_binary(), "netns", "exec", self.netns(region), *argv]
 
     @property
+    def forwarder_pid(self) -> int | None:
+        return None if self._forwarder is None else self._forwarder.pid
+
+    @property
     def ceiling(self) -> Ceiling:
         if self._ceiling is None:
             raise WanError("the forwarder ceiling was not measured (Rehearsal(..., measure_ceiling=False), or not started)")
@@ -116,6 +132,17 @@ class Rehearsal:
     def counters(self) -> dict[tuple[str, str], tuple[int, int]]:
         """Bytes and packets delivered per directed pair (src, dst) since the matrix took effect."""
         return {k: (b, p) for k, (b, p, _) in self._pairs(since_start=True).items()}
+
+    def set_matrix(self, matrix: WanMatrix) -> None:
+        """Apply another matrix's links to the running rehearsal (packets already delayed keep their due time)."""
+        matrix.check_regions(self.regions)
+        self.matrix = matrix
+        self._control({"op": "links", "links": self._links()})
+
+    def lateness(self) -> Lateness:
+        late = self._control({"op": "counters"})["late"]
+        n = int(late["n"])
+        return Lateness(packets=n, mean_ms=late["sum_s"] / n * 1000 if n else 0.0, max_ms=late["max_s"] * 1000)
 
     def dropped(self) -> dict[tuple[str, str], int]:
         """Packets dropped per directed pair because the link's buffer (queue_ms) was full."""
@@ -232,7 +259,7 @@ class Rehearsal:
             raise WanError(f"the WAN watchdog did not start within {START_TIMEOUT:.0f} s")
 
     def _start_forwarder(self, fds: list[int]) -> None:
-        self._forwarder = subprocess.Popen(  # noqa: S603 - argv list of our own module
+        self._forwarder = subprocess.Popen(
             [sys.executable, "-I", "-m", "geoshard.wan.forwarder"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
