@@ -190,7 +190,21 @@ def refresh(
 @click.option("--write", is_flag=True, help="Allow a 4 MB probe object in empty prefixes (deleted afterwards).")
 @click.option("--endpoint", help="S3 endpoint for regions without one in the plan.")
 @click.option("--json", "as_json", is_flag=True)
-def probe(plan_path: Path, regions: tuple[str, ...], png: Path, samples: int, write: bool, endpoint: str | None, as_json: bool) -> None:
+@click.option(
+    "--write-wan",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also set this host's region's links (half the median round trip, one way) in this WAN matrix file (docs/wan.md).",
+)
+def probe(
+    plan_path: Path,
+    regions: tuple[str, ...],
+    png: Path,
+    samples: int,
+    write: bool,
+    endpoint: str | None,
+    as_json: bool,
+    write_wan: Path | None,
+) -> None:
     """Latency and throughput from this machine to every region's bucket, with a heatmap."""
     from geoshard.sync.probe import ProbeSettings, render_heatmap, render_text
     from geoshard.sync.probe import probe as run_probe
@@ -199,11 +213,21 @@ def probe(plan_path: Path, regions: tuple[str, ...], png: Path, samples: int, wr
     settings = ProbeSettings(regions=regions, samples=samples, write=write, default_endpoint=s3_access(None, endpoint).default_endpoint)
     result = run_probe(plan, settings)
     render_heatmap(result, png)
+    from geoshard.env import read_environment
+    from geoshard.wan.matrix import Link, update_matrix
+
+    links: tuple[Link, ...] = ()
+    if write_wan is not None:
+        env = read_environment()
+        rtts = {c.region: c.latency_ms_median for c in result.cells if c.latency_ms_median is not None}
+        links = update_matrix(write_wan, env.geoshard_region or env.region, rtts, comment=f"geoshard probe from {result.origin}")
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1))
     else:
         click.echo(render_text(result))
         click.echo(f"heatmap: {png}")
+        for link in links:
+            click.echo(f"WAN matrix {write_wan}: {link.a} <-> {link.b} {link.latency_ms:g} ms one way")
     if not all(c.ok for c in result.cells):
         sys.exit(1)
 

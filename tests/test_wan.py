@@ -6,6 +6,7 @@ Peers inside the namespaces are real processes started through ``Rehearsal.exec_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,12 +18,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from servers import SeaweedS3
 
 from geoshard.errors import ConfigError
 from geoshard.wan import Rehearsal, load_matrix, parse_matrix, require_root, write_matrix
 from geoshard.wan import netns as wan_netns
 from geoshard.wan.errors import NeedsRootError
 from geoshard.wan.matrix import Link, matrix_from_rtts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from netproxy import NetProxy
 
 GEOSHARD = str(Path(sys.executable).parent / "geoshard")
 US, EU, AP = "us-east-1", "eu-west-1", "ap-southeast-1"
@@ -196,6 +201,42 @@ def test_without_root_one_line_and_exit_2(tmp_path: Path) -> None:
     assert r.stderr == (
         "geoshard: error: the WAN rehearsal needs root (CAP_NET_ADMIN) for network namespaces and TUN devices; run it as root\n"
     )
+
+
+@pytest.mark.slow
+def test_probe_write_wan_sets_this_regions_links(s3: SeaweedS3, tmp_path: Path) -> None:
+    """`geoshard probe --write-wan` run in us-east-1: eu-west-1's bucket sits behind a 40 ms (one way) proxy."""
+    s3.make_bucket(bucket := "wan-probe")
+    with contextlib.closing(s3.client()) as c:
+        c.put_object(Bucket=bucket, Key="d/manifest.json", Body=b'{"version": 1, "shards": []}')
+    matrix = tmp_path / "wan.toml"
+    matrix.write_text(
+        '[[link]]\na = "eu-west-1"\nb = "us-east-1"\nlatency_ms = 1\nbandwidth_mbit = 100\n\n'
+        '[[link]]\na = "eu-west-1"\nb = "ap-southeast-1"\nlatency_ms = 85\n'
+    )
+    env = {k: v for k, v in os.environ.items() if k not in SeaweedS3.UNSET_ENV and not k.startswith("GEOSHARD")}
+    env.update(s3.env(endpoint=False))
+    with NetProxy.to_url(s3.endpoint, latency_s=0.04) as far:
+        plan = tmp_path / "plan.toml"
+        plan.write_text(
+            f'[regions.us-east-1]\nweight = 1\nbucket = "s3://{bucket}/d"\nendpoint = "{s3.endpoint}"\n'
+            f'[regions.eu-west-1]\nweight = 1\nbucket = "s3://{bucket}/d"\nendpoint = "{far.endpoint}"\n'
+        )
+        argv = [GEOSHARD, "probe", "--plan", str(plan), "--png", str(tmp_path / "p.png"), "--samples", "3", "--write-wan", str(matrix)]
+        no_region = {k: v for k, v in env.items() if k not in ("AWS_REGION", "AWS_DEFAULT_REGION")}
+        unknown = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=no_region)
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env={**env, "GEOSHARD_REGION": "us-east-1"})
+    assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1, unknown.stderr
+    assert unknown.stderr.startswith(f"geoshard: error: {matrix}: this host's region is unknown; set GEOSHARD_REGION"), unknown.stderr
+    assert r.returncode == 0, r.stderr
+    m = load_matrix(matrix)
+    link = m.link("us-east-1", "eu-west-1")
+    assert 40.0 <= link.latency_ms <= 60.0, link  # half a HEAD or small GET: the 40 ms each way, plus the server's time
+    assert link.bandwidth_mbit == 100.0  # the cap set by hand survives
+    assert m.link("eu-west-1", "ap-southeast-1").latency_ms == 85.0  # another host's link is kept
+    assert matrix.read_text().startswith("# geoshard probe from ")
+    assert f"WAN matrix {matrix}: us-east-1 <-> eu-west-1 {link.latency_ms:g} ms one way\n" in r.stdout
+    assert s3.secret_key not in matrix.read_text() + r.stdout + r.stderr
 
 
 # -- the rehearsal, as root -----------------------------------------------------------------------

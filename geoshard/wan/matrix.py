@@ -209,6 +209,39 @@ def matrix_from_rtts(
     return tuple(links.values())
 
 
+def update_matrix(path: str | Path, origin: str | None, rtts_ms: Mapping[str, float], comment: str | None = None) -> tuple[Link, ...]:
+    """Set the links from ``origin`` (this host's region) to each region of ``rtts_ms`` (round trips
+    in ms measured from here) in the matrix file at ``path``, keeping its other links and the caps
+    and buffers of the links it updates. Run on one host per region, this fills the whole matrix.
+    Returns the links it set."""
+    p = Path(path)
+    if not origin:
+        raise ConfigError(f"{p}: this host's region is unknown; set GEOSHARD_REGION (or AWS_REGION) to the region it runs in")
+    if not _REGION_NAME.match(origin):
+        raise ConfigError(f"{p}: this host's region {origin!r} is not a region name (lowercase letters, digits, '.', '_', '-')")
+    measured = {r: rtt for r, rtt in rtts_ms.items() if r != origin and rtt > 0}
+    if not measured:
+        raise ConfigError(f"{p}: no region other than {origin} was measured; nothing to write")
+    existing = list(load_matrix(p).links) if p.exists() else []
+    fresh: list[Link] = []
+    for region, rtt in measured.items():
+        old = next((x for x in existing if x.pair == {origin, region}), None)
+        link = Link(
+            a=origin,
+            b=region,
+            latency_ms=round(rtt / 2, 3),
+            bandwidth_mbit=old.bandwidth_mbit if old else None,
+            queue_ms=old.queue_ms if old else DEFAULT_QUEUE_MS,
+        )
+        if old is not None:
+            existing[existing.index(old)] = link
+        else:
+            existing.append(link)
+        fresh.append(link)
+    write_matrix(p, existing, comment)
+    return tuple(fresh)
+
+
 def write_matrix(path: str | Path, links: Iterable[Link], comment: str | None = None) -> Path:
     """Write ``links`` as a matrix file atomically (temporary file, then rename); validated first."""
     p = Path(path)
