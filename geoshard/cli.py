@@ -141,19 +141,22 @@ def verify(directory: Path, as_json: bool) -> None:
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True)
 def inspect(directory: Path, as_json: bool) -> None:
-    """Show the regions, shards, samples and bytes of the split in DIRECTORY."""
+    """Show the regions, shards, samples and bytes of the split in DIRECTORY (or of the one region
+    whose manifest DIRECTORY holds: a region folder of a split, a pulled replica)."""
     from geoshard.cli_progress import regions_table
-    from geoshard.manifest import read_manifest
+    from geoshard.manifest import RegionManifest, read_split_or_region
 
-    m = read_manifest(directory)
-    if as_json:
-        click.echo(
-            json.dumps(
-                {"generation": m.generation, "format": m.format, "regions": {n: r.to_dict() for n, r in m.regions.items()}}, indent=1
-            )
-        )
+    m = read_split_or_region(directory)
+    if isinstance(m, RegionManifest):
+        regions = {m.region: {"shards": len(m.shards), "samples": m.samples, "bytes": m.bytes}}
+        title = f"{directory} (region {m.region}, generation {m.generation}, {m.format})"
     else:
-        regions_table(m, title=f"{directory} (generation {m.generation}, {m.format})")
+        regions = {n: r.to_dict() for n, r in m.regions.items()}
+        title = f"{directory} (generation {m.generation}, {m.format})"
+    if as_json:
+        click.echo(json.dumps({"generation": m.generation, "format": m.format, "regions": regions}, indent=1))
+    else:
+        regions_table(regions, title=title)
 
 
 @main.command()
@@ -166,7 +169,7 @@ def inspect(directory: Path, as_json: bool) -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 def synth(out: Path, fmt: str, samples: int, sample_bytes: int, shard_samples: int, origins: str | None, seed: int) -> None:
     """Write a synthetic corpus to OUT (image-like bytes, a label, an origin)."""
-    from geoshard.synth import SynthSpec, parse_origins
+    from geoshard.synth import SynthSpec, parse_origins, synth_files
     from geoshard.synth import synth as make
 
     spec = SynthSpec(
@@ -178,9 +181,12 @@ def synth(out: Path, fmt: str, samples: int, sample_bytes: int, shard_samples: i
         seed=seed,
         **({"origins": tuple(parse_origins(origins) or ())} if origins is not None else {}),
     )
+    earlier = synth_files(out)
     paths = make(spec)
     size = sum(p.stat().st_size for p in paths)
-    click.echo(f"wrote {samples} samples in {len(paths)} {fmt} shards ({human_bytes(size)}) to {out}")
+    removed = len(set(earlier) - set(paths))
+    note = f"; removed {removed} shard(s) of an earlier synth run" if removed else ""
+    click.echo(f"wrote {samples} samples in {len(paths)} {fmt} shards ({human_bytes(size)}) to {out}{note}")
 
 
 @main.command()

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from geoshard.units import human_bytes
 
 if TYPE_CHECKING:
-    from geoshard.manifest import Manifest
     from geoshard.split import SplitResult
 
 
@@ -85,20 +86,21 @@ def transfer_progress(enabled: bool = True) -> CounterProgress:
     )
 
 
-def regions_table(m: Manifest, title: str) -> None:
-    table = Table(title=title)
+def regions_table(regions: Mapping[str, Mapping[str, Any]], title: str) -> None:
+    """Shards, samples, bytes and share per region (``{name: {"shards", "samples", "bytes"}}``)."""
+    table = Table(title=Text(title, no_wrap=True, overflow="ignore"))  # a folder path: one line, never folded
     for col in ("region", "shards", "samples", "bytes", "share"):
         table.add_column(col, justify="left" if col == "region" else "right")
-    total = sum(r.samples for r in m.regions.values()) or 1
-    for name, r in m.regions.items():
-        table.add_row(name, str(r.shards), f"{r.samples:,}", human_bytes(r.bytes), f"{100 * r.samples / total:.1f}%")
+    total = sum(r["samples"] for r in regions.values()) or 1
+    for name, r in regions.items():
+        table.add_row(name, str(r["shards"]), f"{r['samples']:,}", human_bytes(r["bytes"]), f"{100 * r['samples'] / total:.1f}%")
     stdout_console().print(table)
 
 
 def split_table(result: SplitResult) -> None:
     m = result.manifest
     rate = result.samples_in / result.seconds if result.seconds else 0.0
-    regions_table(m, title=f"split generation {m.generation} ({m.format})")
+    regions_table({n: r.to_dict() for n, r in m.regions.items()}, title=f"split generation {m.generation} ({m.format})")
     stdout_console().print(
         f"{result.samples_in:,} samples, {human_bytes(result.bytes_in)} in {result.seconds:.1f} s "
         f"({rate:,.0f} samples/s, {result.bytes_in / 1e6 / max(result.seconds, 1e-9):.0f} MB/s)"

@@ -24,30 +24,46 @@ from geoshard.units import human_bytes
 @click.option(
     "--budget",
     type=click.FloatRange(0, 1, min_open=True, max_open=True),
-    default=DEFAULT_BUDGET,
-    show_default=True,
-    help="Largest acceptable share of training time spent waiting for data.",
+    help=f"Largest acceptable share of training time spent waiting for data [default: the run's, else {DEFAULT_BUDGET}]. "
+    "Another budget than the run's is a what-if: printed, and report.json is left as it is.",
 )
 @click.option("--fail-over-budget", is_flag=True, help="Exit 1 when the IO-wait share is over --budget (for CI).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-def report(run_dir: Path, budget: float, fail_over_budget: bool, as_json: bool) -> None:
+def report(run_dir: Path, budget: float | None, fail_over_budget: bool, as_json: bool) -> None:
     """How much of the training run in RUN_DIR was spent waiting for data, against --budget.
 
-    Writes RUN_DIR/report.json and RUN_DIR/report.png (data wait and compute per step, per rank).
+    Writes RUN_DIR/report.json and RUN_DIR/report.png (data wait and compute per step, per rank),
+    unless --budget differs from the budget the run's report.json was written with.
     """
+    own = _run_budget(run_dir)
+    budget = budget if budget is not None else own if own is not None else DEFAULT_BUDGET
     result = build_report(run_dir, budget)
-    json_path, png_path = write_report(run_dir, result)
+    what_if = own is not None and budget != own
+    if not what_if:
+        json_path, png_path = write_report(run_dir, result)
     if as_json:
         click.echo(json.dumps(result, indent=1, allow_nan=False))
     else:
         stdout_console().print(Group(*_renderables(result)))
-        click.echo(f"report: {json_path}   plot: {png_path}")
+        if what_if:
+            click.echo(f"what-if at budget {budget:.1%}: {run_dir / 'report.json'} left as written (budget {own:.1%})")
+        else:
+            click.echo(f"report: {json_path}   plot: {png_path}")
     if fail_over_budget and not result["within_budget"]:
         click.echo(
             f"geoshard: IO wait {result['io_wait_share']:.1%} of training time is over the {budget:.1%} budget (--fail-over-budget)",
             err=True,
         )
         sys.exit(1)
+
+
+def _run_budget(run_dir: Path) -> float | None:
+    """The budget the run's report.json was written with (by the trainer, or an earlier report)."""
+    try:
+        budget = json.loads((run_dir / "report.json").read_bytes()).get("budget")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(budget) if isinstance(budget, int | float) and 0 < budget < 1 else None
 
 
 def render_report(result: Mapping[str, Any], *, width: int | None = None) -> str:

@@ -199,6 +199,16 @@ def read_manifest(directory: str | Path) -> Manifest:
     return Manifest.from_dict(_load_json(path), str(path))
 
 
+def read_split_or_region(directory: str | Path) -> Manifest | RegionManifest:
+    """The manifest in ``directory``: a split's top manifest, or a region manifest (one region of
+    a split, a pulled replica, a copy of a bucket), told apart by their keys."""
+    path = Path(directory) / MANIFEST
+    d = _load_json(path)
+    if isinstance(d, dict) and "regions" not in d and "shards" in d:
+        return RegionManifest.from_dict(d, str(path))
+    return Manifest.from_dict(d, str(path))
+
+
 def read_region_manifest(path: str | Path) -> RegionManifest:
     p = Path(path)
     if p.is_dir():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from geoshard.formats import Format, tfrecord, wds
 from geoshard.formats.example import encode_example
 
 NUM_CLASSES = 10
+_NAME = re.compile(r"^train-\d{5}\.(tar|tfrecord)$")
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,19 @@ def _image(rng: random.Random, label: int, size: int, base: bytes) -> bytes:
     return body[:size]
 
 
+def synth_files(folder: Path) -> list[Path]:
+    """The shards a synth run wrote to ``folder`` (its names only: ``train-NNNNN.tar|.tfrecord``)."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if _NAME.match(p.name) and p.is_file())
+
+
 def synth(spec: SynthSpec) -> list[Path]:
+    """Write the corpus; shards of an earlier run into ``spec.out`` that this one does not
+    rewrite (more shards then, or the other format) are removed, so a split of the folder reads
+    this corpus only. Other files in the folder are left alone."""
     spec.out.mkdir(parents=True, exist_ok=True)
+    earlier = synth_files(spec.out)
     rng = random.Random(spec.seed)  # noqa: S311 - reproducible test data, not secrets
     base = bytes((i * 7 + (i >> 3)) & 0xFF for i in range(1021))
     paths = []
@@ -75,6 +88,8 @@ def synth(spec: SynthSpec) -> list[Path]:
             if spec.fmt == "wds":
                 tw.close()
         paths.append(path)
+    for old in set(earlier) - set(paths):
+        old.unlink(missing_ok=True)
     return paths
 
 

@@ -6,7 +6,7 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from geoshard.manifest import MANIFEST, RegionManifest, read_manifest, read_region_manifest
+from geoshard.manifest import MANIFEST, RegionManifest, read_region_manifest, read_split_or_region
 from geoshard.paths import check_shard_path, plain_relative
 
 
@@ -51,8 +51,12 @@ def verify_region(rdir: Path, rm: RegionManifest, report: VerifyReport) -> None:
 
 
 def verify_split(directory: Path) -> tuple[dict[str, RegionManifest], VerifyReport]:
-    m = read_manifest(directory)
+    """Every shard of the split in ``directory``, or of the one region whose manifest it holds."""
+    m = read_split_or_region(directory)
     report = VerifyReport()
+    if isinstance(m, RegionManifest):
+        verify_region(directory, m, report)
+        return {m.region: m}, report
     regions = {}
     for name, summary in m.regions.items():
         rpath = directory / plain_relative(summary.manifest, str(directory / MANIFEST))

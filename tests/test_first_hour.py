@@ -207,6 +207,13 @@ def test_pulled_replica_is_readable_by_others(aws: SeaweedS3, tmp_path: Path) ->
     modes = _modes(tmp_path / "replica")
     assert "manifest.json" in modes and any(f.endswith(".tar") for f in modes)
     assert {f: m for f, m in modes.items() if m != 0o644} == {}
+    # 11. a pulled replica holds a region manifest: verify and inspect accept it
+    shards = sum(1 for f in modes if f.endswith(".tar"))
+    r = run("verify", tmp_path / "replica")
+    assert r.returncode == 0 and r.stdout.strip() == f"{shards} shards checked, 0 missing, 0 mismatched", r.stdout + r.stderr
+    r = run("inspect", tmp_path / "replica", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["regions"]["eu-west-1"]["shards"] == shards
 
 
 # --- 8. dependencies as ranges; the exact pins only for the project's own venvs -----------------
@@ -318,3 +325,47 @@ def test_wrong_secret_is_one_line_with_a_remedy(s3: SeaweedS3, tmp_path: Path) -
     assert r.returncode == 1 and len(lines) == 1, r.stderr
     assert lines[0].startswith("geoshard: error: ") and "SignatureDoesNotMatch; check the credentials (secret key)" in lines[0]
     assert "not-the-secret" not in r.stderr + r.stdout and not (tmp_path / "out" / "manifest.json").exists()
+
+
+# --- 11. the smaller things -------------------------------------------------------------------
+
+
+def test_verify_and_inspect_accept_a_region_folder(tmp_path: Path) -> None:
+    split = _long_split(tmp_path)
+    region = split / LONG_REGIONS[0]
+    shards = sorted(region.rglob("*.tar"))
+    r = run("verify", region)
+    assert r.returncode == 0 and r.stdout.strip() == f"{len(shards)} shards checked, 0 missing, 0 mismatched", r.stdout + r.stderr
+    r = run("inspect", region)
+    assert r.returncode == 0, r.stderr
+    assert f"(region {LONG_REGIONS[0]}, generation 1, wds)" in r.stdout and "100.0%" in r.stdout
+    shards[0].write_bytes(b"x" + shards[0].read_bytes()[1:])
+    r = run("verify", region)
+    assert r.returncode == 1 and f"mismatched: {shards[0]}" in r.stdout
+
+
+def test_synth_rerun_leaves_only_its_new_shards(tmp_path: Path) -> None:
+    out = tmp_path / "corpus"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert run("synth", out, "--samples", "300", "--shard-samples", "100").returncode == 0
+    r = run("synth", out, "--samples", "100", "--shard-samples", "100", "--format", "tfrecord")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("; removed 3 shard(s) of an earlier synth run"), r.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "train-00000.tfrecord"]
+
+
+def test_report_with_another_budget_leaves_report_json(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run")
+    r = run("report", run_dir)
+    assert r.returncode == 0 and "over budget" in r.stdout, r.stdout + r.stderr
+    written = (run_dir / "report.json").read_bytes()
+    stamp = (run_dir / "report.json").stat().st_mtime_ns
+    r = run("report", run_dir, "--budget", "0.5")
+    assert r.returncode == 0, r.stderr
+    assert "budget 50.0%: within budget" in r.stdout
+    assert f"what-if at budget 50.0%: {run_dir / 'report.json'} left as written (budget 5.0%)" in r.stdout
+    assert (run_dir / "report.json").read_bytes() == written and (run_dir / "report.json").stat().st_mtime_ns == stamp
+    assert json.loads(written)["budget"] == 0.05
+    r = run("report", run_dir, "--json")  # no --budget: the run's own, and the file is rewritten alike
+    assert r.returncode == 0 and json.loads(r.stdout)["budget"] == 0.05
