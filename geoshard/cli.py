@@ -52,7 +52,13 @@ def main(verbose: int) -> None:
 @click.argument("sources", nargs=-1, required=True)
 @plan_option
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Output folder.")
-@click.option("--workers", type=click.IntRange(min=1), help="Size of the in-process Dask cluster (default: one per core).")
+@click.option(
+    "--workers",
+    "--split-workers",
+    "workers",
+    type=click.IntRange(min=1),
+    help="Size of the in-process Dask cluster (default: one per core).",
+)
 @click.option("--scheduler", help="Run on an existing Dask cluster, e.g. tcp://10.0.0.5:8786.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), help="Source format when file names do not tell.")
 @click.option("--endpoint", help="S3 endpoint for s3:// sources whose bucket is not in the plan.")
@@ -192,7 +198,7 @@ def synth(out: Path, fmt: str, samples: int, sample_bytes: int, shard_samples: i
 @main.command()
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-out"), show_default=True)
 @click.option("--samples", type=click.IntRange(min=1), default=20_000, show_default=True)
-@click.option("--workers", type=click.IntRange(min=1), help="Dask workers (default: one per core).")
+@click.option("--workers", "--split-workers", "workers", type=click.IntRange(min=1), help="Dask workers (default: one per core).")
 @click.option("--steps", type=click.IntRange(min=1), default=900, show_default=True, help="Training steps (about a minute here).")
 @click.option("--train/--no-train", default=True, help="--no-train: synthesize and split only.")
 def demo(out: Path, samples: int, workers: int | None, steps: int, train: bool) -> None:

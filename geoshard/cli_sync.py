@@ -34,7 +34,15 @@ def _sync_options(f: Callable[..., None]) -> Callable[..., None]:
             click.option("--dry-run", is_flag=True, help="Show what would move; change nothing."),
             click.option("--delete", is_flag=True, help="After publishing, delete objects no kept generation names."),
             click.option("--keep-generations", type=click.IntRange(min=0), default=1, show_default=True),
-            click.option("--workers", type=click.IntRange(min=1), default=64, show_default=True, help="s5cmd --numworkers."),
+            click.option(
+                "--workers",
+                "--transfer-workers",
+                "workers",
+                type=click.IntRange(min=1),
+                default=64,
+                show_default=True,
+                help="s5cmd --numworkers.",
+            ),
             click.option("--retries", type=click.IntRange(min=0), default=2, show_default=True, help="Batch retries of failed objects."),
             click.option("--create-buckets", is_flag=True, help="Create missing buckets instead of failing."),
             click.option("--verify-remote", is_flag=True, help="Download and hash every published shard; upload again any that differs."),
@@ -102,8 +110,10 @@ def sync(directory: Path, plan_path: Path, sync_settings: SyncSettings, as_json:
 @click.command()
 @plan_option
 @click.option("--region", required=True, help="The region whose bucket to copy.")
-@click.option("--to", "to", required=True, type=click.Path(file_okay=False, path_type=Path), help="Local replica folder.")
-@click.option("--workers", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--to", "--out", "to", required=True, type=click.Path(file_okay=False, path_type=Path), help="Local replica folder.")
+@click.option(
+    "--workers", "--transfer-workers", "workers", type=click.IntRange(min=1), default=64, show_default=True, help="s5cmd --numworkers."
+)
 @click.option("--endpoint", help="S3 endpoint when the plan has none for the region.")
 @click.option("--json", "as_json", is_flag=True)
 def pull(plan_path: Path, region: str, to: Path, workers: int, endpoint: str | None, as_json: bool) -> None:

@@ -369,3 +369,26 @@ def test_report_with_another_budget_leaves_report_json(tmp_path: Path) -> None:
     assert json.loads(written)["budget"] == 0.05
     r = run("report", run_dir, "--json")  # no --budget: the run's own, and the file is rewritten alike
     assert r.returncode == 0 and json.loads(r.stdout)["budget"] == 0.05
+
+
+def test_one_idea_one_option_name_across_commands(tmp_path: Path) -> None:
+    """Dask workers are --split-workers, s5cmd's are --transfer-workers, and the folder a command
+    fills is --out, wherever they appear; the older names keep working."""
+
+    def names(command: str) -> dict[str, list[str]]:
+        return {p.name: p.opts for p in main.commands[command].params if isinstance(p, click.Option) and p.name}
+
+    for command in ("split", "demo"):
+        assert "--split-workers" in names(command)["workers"]
+    assert "--split-workers" in names("refresh")["split_workers"]
+    for command in ("sync", "pull", "refresh"):
+        assert "--transfer-workers" in names(command)["workers"]
+    for command in ("split", "refresh", "pull", "train", "demo"):
+        assert "--out" in [o for opts in names(command).values() for o in opts], command
+    plan = write_plan(tmp_path / "plan.toml")
+    for old, new in (("--to", "--out"), ("--workers", "--transfer-workers")):
+        for flag in (old, new):
+            value = "3" if "workers" in flag else str(tmp_path / "r")
+            args = ["--plan", str(plan), "--region", "eu-west-1", "--to", str(tmp_path / "r"), flag, value]
+            ctx = main.commands["pull"].make_context("pull", args)
+            assert ctx.params["workers" if "workers" in flag else "to"] == (3 if "workers" in flag else tmp_path / "r")
