@@ -86,6 +86,8 @@ def _renderables(r: Mapping[str, Any]) -> list[RenderableType]:
         (r["verdict"], "bold green" if ok else "bold red"),
     )
     out: list[RenderableType] = [headline, _summary_lines(r), _breakdown_table(r), _ranks_table(r)]
+    if len(r.get("regions") or {}) > 1:
+        out.append(_regions_table(r))
     if r["tiers"]:
         out.append(_tiers_table(r))
     if r["egress_bytes"]:
@@ -152,6 +154,36 @@ def _ranks_table(r: Mapping[str, Any]) -> Table:
             row.append(f"{x['gpu_util']:.0%}" if x["gpu_util"] is not None else "-")
         table.add_row(*row)
     return table
+
+
+def _regions_table(r: Mapping[str, Any]) -> Table:
+    table = Table(title="regions", title_justify="left")
+    for col in ("region", "ranks", "IO wait", "after 1st", "1st batch", "read", "per epoch", "left out", "repeated"):
+        table.add_column(col, justify="left" if col == "region" else "right", no_wrap=True)
+    for name, g in r["regions"].items():
+        table.add_row(
+            name,
+            str(g["ranks"]),
+            Text(f"{g['io_wait_share']:.1%}", style="red" if g["io_wait_share"] > r["budget"] else "green"),
+            f"{g['io_wait_share_after_first_batch']:.1%}",
+            duration(g["time_to_first_batch_s"]) if g["time_to_first_batch_s"] is not None else "-",
+            human_bytes(sum(g["tier_bytes"].values())),
+            _count(g["samples_per_epoch"]),
+            _count(g["left_out_per_epoch"]),
+            _count(g["repeated_per_epoch"]),
+        )
+    steps = f"{human_bytes(r['cross_region_grad_bytes_per_step'])} per step" if r.get("cross_region_grad_bytes_per_step") else "none"
+    table.caption = (
+        f"across regions: data {human_bytes(r['cross_region_data_bytes'])} (goal 0), gradients {steps}; "
+        f"gradient sync {r.get('sync') or '-'}: {duration(r['grad_sync_s_per_step'])} per step and rank"
+        + (f", of which {duration(r['grad_sync_cross_s_per_step'])} between region leaders" if r.get("grad_sync_cross_s_per_step") else "")
+    )
+    table.caption_justify = "left"
+    return table
+
+
+def _count(n: Any) -> str:
+    return f"{n:,}" if isinstance(n, int) else "-"
 
 
 def _tiers_table(r: Mapping[str, Any]) -> Table:

@@ -117,7 +117,7 @@ def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> 
     after = _share(*(sum(x) for x in zip(*(_after_first_batch(r) for r in runs.values()), strict=True)))
     summaries = [r.summary for r in runs.values() if r.summary is not None]
     world_size = max([len(runs), *(s["world_size"] for s in summaries if _is_int(s.get("world_size")))])
-    regions = sorted({r["region"] for r in ranks if r["region"]})
+    region_names = sorted({r["region"] for r in ranks if r["region"]})
     first_batch = [r["time_to_first_batch_s"] for r in ranks if r["time_to_first_batch_s"] is not None]
     steps = [r.steps for r in runs.values() if r.steps]
     loader = _merge_loader(summaries)
@@ -138,8 +138,9 @@ def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> 
         "world_size": world_size,
         # Complete when every rank of the world wrote its summary; otherwise some wall times are estimates.
         "complete": len(summaries) == world_size,
-        "region": regions[0] if len(regions) == 1 else None,
-        "regions": regions,
+        "region": region_names[0] if len(region_names) == 1 else None,
+        "regions": _regions(runs, ranks),
+        **_cross_region(runs, loader),
         "loss_first": _mean_loss(s[0] for s in steps),
         "loss_last": _mean_loss(s[-1] for s in steps),
         "breakdown": {
@@ -148,6 +149,53 @@ def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> 
         },
         "ranks": ranks,
         **loader,
+    }
+
+
+def _regions(runs: Mapping[int, RankRun], ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per region: its ranks, their IO wait, first batch, tier bytes and what an epoch leaves out."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in sorted({r["region"] for r in ranks if r["region"]}):
+        members = [r for r in ranks if r["region"] == name]
+        mine = [runs[r["rank"]] for r in members]
+        summaries = [m.summary for m in mine if m.summary is not None]
+        after = [sum(x) for x in zip(*(_after_first_batch(m) for m in mine), strict=True)]
+        ttfb = [r["time_to_first_batch_s"] for r in members if r["time_to_first_batch_s"] is not None]
+        tiers = _merge_loader(summaries)["tiers"]
+        first = summaries[0] if summaries else {}
+        out[name] = {
+            "ranks": len(members),
+            "global_ranks": [r["rank"] for r in members],
+            "io_wait_share": _share(sum(r["data_wait_s"] for r in members), sum(r["wall_s"] for r in members)),
+            "io_wait_share_after_first_batch": _share(after[0], after[1]),
+            "time_to_first_batch_s": max(ttfb) if ttfb else None,
+            "tier_bytes": {t: c["bytes"] for t, c in tiers.items()},
+            "samples": sum(r["samples"] for r in members),
+            "region_samples": first.get("region_samples"),
+            "samples_per_epoch": first.get("samples_per_epoch"),
+            "left_out_per_epoch": first.get("left_out_per_epoch"),
+            "repeated_per_epoch": first.get("repeated_per_epoch"),
+        }
+    return out
+
+
+def _cross_region(runs: Mapping[int, RankRun], loader: Mapping[str, Any]) -> dict[str, Any]:
+    """What crossed regions: data the loaders read from other regions' buckets, and gradients."""
+    steps = max((len(r.steps) for r in runs.values()), default=0)
+    grad = sum(x.cross_region_grad_bytes for r in runs.values() for x in r.steps)
+    summaries = [r.summary for r in runs.values() if r.summary is not None]
+    syncs = sorted({s["sync"] for s in summaries if isinstance(s.get("sync"), str)})
+    records = [x for r in runs.values() for x in r.steps]
+    leaders = [x for x in records if x.comm_cross_s > 0]
+    return {
+        "sync": syncs[0] if len(syncs) == 1 else None,
+        "cross_region_data_bytes": sum(loader["egress_bytes"].values()),
+        "cross_region_grad_bytes": grad,
+        "cross_region_grad_bytes_per_step": _r(grad / steps) if steps else 0.0,
+        # Per step and rank: the sync as a whole; its hop between region leaders (leaders only).
+        "grad_sync_s_per_step": _r(sum(x.comm_s for x in records) / len(records)) if records else 0.0,
+        "grad_sync_cross_s_per_step": _r(sum(x.comm_cross_s for x in leaders) / len(leaders)) if leaders else 0.0,
+        "grad_sync_intra_s_per_step": _r(sum(x.comm_intra_s for x in records) / len(records)) if records else 0.0,
     }
 
 
