@@ -147,7 +147,10 @@ def serve(config: dict[str, Any], control_in: Any, control_out: Any) -> int:
     regions = config["regions"]
     fwd = Forwarder(fds=[int(r["fd"]) for r in regions], addresses=[socket.inet_aton(r["address"]) for r in regions])
     fwd.set_links(config.get("links", []))
-    owner = os.pidfd_open(int(config["owner"]))
+    try:
+        owner = os.pidfd_open(int(config["owner"]))
+    except ProcessLookupError:
+        return 0  # the owner died while starting us
     ctl = control_in.fileno()
     ep = select.epoll()
     by_fd = {fd: i for i, fd in enumerate(fwd.fds)}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import fcntl
 import functools
 import logging
@@ -229,7 +228,3 @@ def inside(ns: str) -> Iterator[None]:
             _setns(own)
     finally:
         os.close(own)
-
-
-def ignore_missing(e: OSError) -> bool:
-    return e.errno in (errno.ENOENT, errno.ESRCH)

@@ -200,16 +200,26 @@ class Rehearsal:
                 fwd.stdin.flush()
             _close(fwd.stdin, fwd.stdout)
             _reap(fwd, 5.0)
+        names = list(self._names.values())
+        # What still runs inside gets SIGTERM everywhere at once, one grace period in all, then SIGKILL.
+        if sum(netns.kill_inside(n, signal.SIGTERM) for n in names):
+            deadline = time.monotonic() + STOP_GRACE
+            while time.monotonic() < deadline and any(netns.namespace_pids(n) for n in names):
+                time.sleep(0.05)
         errors = []
-        for name in self._names.values():
+        for name in names:
             try:
-                netns.delete_namespace(name, grace=STOP_GRACE)
+                netns.delete_namespace(name)
             except WanError as e:
                 errors.append(str(e))
         self._names = {}
         dog, self._watchdog = self._watchdog, None
         if dog is not None:
-            _close(dog.stdin)  # a normal stop: the watchdog finds nothing left and exits
+            with contextlib.suppress(OSError, ValueError):
+                assert dog.stdin is not None
+                dog.stdin.write(b"stop\n")  # a normal stop: it finds nothing left and exits (a forked child may hold the pipe open)
+                dog.stdin.flush()
+            _close(dog.stdin)
             _reap(dog, 10.0)
             _close(dog.stdout)
         if errors:
