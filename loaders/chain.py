@@ -29,6 +29,7 @@ from geoshard.plan import Plan
 from geoshard.retry import Backoff
 
 log = logging.getLogger(__name__)
+_ONCE = "; its later failures are counted in the report's tiers table, not logged again"
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class TierChain:
         self.stats = stats or LoaderStats()
         self._clock, self._sleep = clock, sleep
         self._down_until: dict[str, float] = {}
+        self._warned: set[str] = set()
         self.local = next((t for t in self.tiers if isinstance(t, WritableTier)), None)
 
     def cooldowns(self) -> dict[str, float]:
@@ -152,7 +154,10 @@ class TierChain:
                 delay = next(delays, None)
                 if delay is None:
                     self._down_until[tier.name] = self._clock() + self.settings.cooldown_s
-                    log.warning("%s failed (%s); skipping it for %.0f s", tier.name, e, self.settings.cooldown_s)
+                    # Once per tier and process (each DataLoader worker is one): the stats count every failure.
+                    level = logging.DEBUG if tier.name in self._warned else logging.WARNING
+                    self._warned.add(tier.name)
+                    log.log(level, "%s failed (%s); skipping it for %.0f s%s", tier.name, e, self.settings.cooldown_s, _ONCE)
                     failures.append(str(e))
                     return None
                 self._sleep(delay)
