@@ -2,9 +2,11 @@
 
 1. Synthesize a corpus and split it for three regions (Dask).
 2. Start a local S3 server (SeaweedFS) with one bucket per region and sync each region to it.
-3. Train with DDP in one region, reading through that region's tier chain: its Alluxio address
-   points at a port where nothing runs, so the chain falls back to the (empty) local replica and
-   the region's bucket, and write-back fills the replica for the following epochs.
+3. Train one DDP job across the three regions (one torchrun agent per region, hierarchical
+   gradient sync), each rank reading through its own region's tier chain: the Alluxio address
+   points at a port where nothing runs, so the chain falls back to the region's (empty) local
+   replica and the region's bucket, and write-back fills the replica for the following epochs.
+   Nothing is read from another region's bucket.
 4. Report the IO-wait share against the budget.
 
 Everything started here is stopped before returning, also on errors and Ctrl-C. The plan is
@@ -64,8 +66,7 @@ class DemoSettings:
     shard_samples: int = 1_000
     workers: int | None = None
     train: bool = True  # False: synthesize and split only (the split-only demo of earlier versions)
-    region: str = "eu-west-1"
-    nproc: int = 2
+    regions: str = "us-east-1:1,eu-west-1:1,ap-southeast-1:1"  # ranks per region (two cores here)
     steps: int = 900
     hidden: int = 2048
     batch_size: int = 32
@@ -84,8 +85,8 @@ class DemoResult:
 Echo = Callable[[str], None]
 
 
-def storage_plan(base: str, endpoint: str, region: str, alluxio_port: int, replica: Path) -> str:
-    """The demo plan with the local S3 server's endpoint, and the training region's cache tiers."""
+def storage_plan(base: str, endpoint: str, alluxio_port: int, replicas: Path) -> str:
+    """The demo plan with the local S3 server's endpoint, and every region's cache tiers."""
     lines = []
     current = None
     for line in base.splitlines():
@@ -94,9 +95,8 @@ def storage_plan(base: str, endpoint: str, region: str, alluxio_port: int, repli
             current = line[len("[regions.") : -1]
         if line.startswith("bucket = ") and current:
             lines.append(f'endpoint = "{endpoint}"')
-            if current == region:
-                lines.append(f'alluxio = "http://127.0.0.1:{alluxio_port}"  # nothing listens here: the chain falls back')
-                lines.append(f'local = "{replica}"')
+            lines.append(f'alluxio = "http://127.0.0.1:{alluxio_port}"  # nothing listens here: the chain falls back')
+            lines.append(f'local = "{replicas / current}"')
     return "\n".join(lines) + "\n"
 
 
@@ -145,18 +145,19 @@ def _sync_and_train(settings: DemoSettings, result: DemoResult, echo: Echo) -> N
     from geoshard.sync.push import SyncSettings
     from geoshard.sync.push import sync as run_sync
     from geoshard.trainer.config import TrainConfig
-    from geoshard.trainer.launch import launch
+    from geoshard.trainer.launch import launch_regions, parse_regions
     from geoshard.trainer.report import build_report
 
     out, seconds = settings.out, result.seconds
-    replica = (out / f"replica-{settings.region}").resolve()
+    regions = parse_regions(settings.regions)
+    replicas = (out / "replica").resolve()
     t0 = time.monotonic()
     server = SeaweedS3((out / "s3").resolve())
     try:
         server.start()
         seconds["s3_start"] = time.monotonic() - t0
         echo(f"local S3 server (SeaweedFS) on {server.endpoint}, data in {server.root}")
-        text = storage_plan(DEMO_PLAN, server.endpoint, settings.region, closed_port(), replica)
+        text = storage_plan(DEMO_PLAN, server.endpoint, closed_port(), replicas)
         plan_path = out / "plan.toml"
         plan_path.write_text(text)
         plan = parse_plan(text, source=str(plan_path))
@@ -171,21 +172,21 @@ def _sync_and_train(settings: DemoSettings, result: DemoResult, echo: Echo) -> N
                 raise DemoFailed(f"sync failed: {errors}")
             uploaded = sum(r.uploaded for r in sync_report.regions.values())
             echo(f"synced {uploaded} shards to {len(sync_report.regions)} buckets in {seconds['sync']:.1f} s")
-            if replica.exists():  # a rerun starts cold, so the fallback shows again
-                shutil.rmtree(replica)
+            if replicas.exists():  # a rerun starts cold, so the fallback shows again
+                shutil.rmtree(replicas)
             run_dir = out / "run"
             cfg = TrainConfig(
                 plan=plan_path,
                 out=run_dir,
                 steps=settings.steps,
-                region=settings.region,
                 hidden=settings.hidden,
                 batch_size=settings.batch_size,
                 checkpoint_every=max(1, settings.steps // 4),
             )
-            echo(f"training: {settings.nproc} DDP ranks in {settings.region}, {settings.steps} steps (torchrun, gloo)")
+            where = ", ".join(f"{r.nproc} in {r.region}" for r in regions)
+            echo(f"training: one DDP job, {sum(r.nproc for r in regions)} ranks ({where}), {settings.steps} steps (torchrun, gloo)")
             t0 = time.monotonic()
-            code = launch(cfg, settings.nproc)
+            code = launch_regions(cfg, regions)
             seconds["train"] = time.monotonic() - t0
             if code != 0:
                 raise DemoFailed(f"training failed (torchrun exit {code}); the ranks' errors are above")
