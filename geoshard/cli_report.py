@@ -105,6 +105,8 @@ def _renderables(r: Mapping[str, Any]) -> list[RenderableType]:
 def _summary_lines(r: Mapping[str, Any]) -> Text:
     run = f"{r['world_size']} rank(s)" + (f" in {', '.join(r['regions'])}" if r["regions"] else "")
     run += f", {r['steps']:,} steps" + (f" ({r['step_first']}..{r['step_last']})" if r["step_first"] is not None else "")
+    if r.get("segments", 1) > 1:
+        run += f" in {r['segments']} segments (resumed or restarted; all of them counted)"
     run += f", {r['samples']:,} samples"
     if r["loss_first"] is not None and r["loss_last"] is not None:
         run += f", loss {r['loss_first']:.4g} → {r['loss_last']:.4g}"

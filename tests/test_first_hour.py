@@ -422,3 +422,40 @@ def test_a_dead_alluxio_warns_once_per_tier_and_the_stats_count_every_failure(tm
     assert len(warnings) == 1 and "counted in the report's tiers table" in warnings[0], warnings
     assert chain.stats.snapshot()["tiers"]["alluxio:eu-west-1"]["errors"] == len(data)
     alluxio.close()  # type: ignore[attr-defined]
+
+
+# --- 1. after --resume the report covers the whole run, and its parts add up -----------------------
+
+
+@pytest.fixture(scope="module")
+def corpus_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_loaders import split
+
+    return split(tmp_path_factory.mktemp("corpus"), samples=3000)
+
+
+TRAIN = ("--region", "eu-west-1", "--nproc", "2", "--batch-size", "16", "--num-workers", "1", "--backend", "gloo")
+
+
+@pytest.mark.slow
+def test_report_after_resume_covers_the_whole_run(corpus_plan: Path, tmp_path: Path) -> None:
+    out = tmp_path / "runR"
+    first = run("train", "--plan", corpus_plan, *TRAIN, "--steps", "40", "--checkpoint-every", "20", "--out", out)
+    assert first.returncode == 0, first.stderr[-3000:]
+    first_wall = sum(json.loads((out / f"rank{r}.json").read_text())["wall_s"] for r in range(2))
+    second = run("train", "--plan", corpus_plan, *TRAIN, "--steps", "60", "--checkpoint-every", "20", "--resume", "--out", out)
+    assert second.returncode == 0, second.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert (report["steps"], report["step_first"], report["step_last"], report["segments"]) == (60, 1, 60, 2)
+    logged = [json.loads(line) for r in range(2) for line in (out / f"steps-rank{r}.jsonl").read_text().splitlines()]
+    assert len(logged) == 2 * 60 and report["samples"] == sum(x["samples"] for x in logged)
+    b = report["breakdown"]
+    parts = b["data_wait"]["seconds"] + b["compute"]["seconds"] + b["checkpoint"]["seconds"] + b["other"]["seconds"]
+    assert parts == pytest.approx(b["wall"]["seconds"], abs=1e-3)
+    assert b["other"]["seconds"] >= 0
+    assert report["io_wait_share"] == pytest.approx(b["data_wait"]["seconds"] / b["wall"]["seconds"], abs=1e-5)
+    assert report["io_wait_share"] < 0.9  # it said 100.0% when the wall time was the last segment's alone
+    assert b["wall"]["seconds"] > first_wall  # both segments: the first run's wall time and the resume's
+    hits = sum(t["hits"] for t in report["tiers"].values())
+    assert hits >= sum(len(json.loads((out / f"rank{r}.json").read_text())["earlier_segments"]) for r in range(2)) > 0
+    assert "60 steps (1..60) in 2 segments (resumed or restarted; all of them counted)" in second.stdout

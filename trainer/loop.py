@@ -182,6 +182,8 @@ def _train(cfg: TrainConfig, ctx: RankContext) -> dict[str, Any]:
         left_out_per_epoch=ds.remainder()["dropped_samples"],
         repeated_per_epoch=ds.remainder()["padded_samples"],
         region_samples=sum(s.samples for s in ds.manifest.shards),
+        segment=segment,
+        earlier_segments=_earlier_segments(cfg.out / f"rank{rank}.json", segment),
     )
     Path(cfg.out / f"rank{rank}.json").write_text(json.dumps(summary, indent=1))
     dist.barrier()
@@ -209,6 +211,21 @@ def _loader_state(states: Any, region: str, region_rank: int, rank: int) -> Any:
     if key not in states:
         raise ConfigError(f"the checkpoint has no loader position for {key}; resume with the same ranks per region")
     return states[key]
+
+
+def _earlier_segments(summary_path: Path, segment: int) -> list[dict[str, Any]]:
+    """The summaries of this rank's earlier segments (a resume or restart writes the file anew), so
+    the report counts the loader's work of the whole run; a segment that died left none."""
+    if segment == 0:
+        return []
+    try:
+        old = json.loads(summary_path.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(old, dict) or not isinstance(old.get("segment", 0), int) or old.get("segment", 0) >= segment:
+        return []
+    earlier = [e for e in old.pop("earlier_segments", None) or [] if isinstance(e, dict)]
+    return [*earlier, old]
 
 
 def _next_segment(steps_path: Path) -> int:

@@ -12,6 +12,10 @@ It reads what the training loop writes into RUN_DIR:
 
 A rank without its summary (still running, or died) is reported from its steps: its wall time is
 the end of its last step. A final line cut off mid-write is skipped for the same reason.
+
+A resumed or restarted run has several segments (``segment`` in each step record, ``t`` counting
+from the segment's start; ``earlier_segments`` in the rank summary): times, steps, samples and the
+loader's counters cover all of them, so the breakdown adds up to the wall time of the whole run.
 """
 
 from __future__ import annotations
@@ -120,7 +124,7 @@ def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> 
     region_names = sorted({r["region"] for r in ranks if r["region"]})
     first_batch = [r["time_to_first_batch_s"] for r in ranks if r["time_to_first_batch_s"] is not None]
     steps = [r.steps for r in runs.values() if r.steps]
-    loader = _merge_loader(summaries)
+    loader = _merge_loader(_all_summaries(summaries))
     return {
         "run_dir": run_dir,
         "io_wait_share": share,
@@ -132,6 +136,7 @@ def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> 
         "verdict": "within budget" if share <= budget else "over budget",
         "time_to_first_batch_s": max(first_batch) if first_batch else None,
         "steps": max(r["steps"] for r in ranks),
+        "segments": max(r["segments"] for r in ranks),
         "step_first": min((s[0].step for s in steps), default=None),
         "step_last": max((s[-1].step for s in steps), default=None),
         "samples": sum(r["samples"] for r in ranks),
@@ -161,7 +166,7 @@ def _regions(runs: Mapping[int, RankRun], ranks: list[dict[str, Any]]) -> dict[s
         summaries = [m.summary for m in mine if m.summary is not None]
         after = [sum(x) for x in zip(*(_after_first_batch(m) for m in mine), strict=True)]
         ttfb = [r["time_to_first_batch_s"] for r in members if r["time_to_first_batch_s"] is not None]
-        tiers = _merge_loader(summaries)["tiers"]
+        tiers = _merge_loader(_all_summaries(summaries))["tiers"]
         first = summaries[0] if summaries else {}
         out[name] = {
             "ranks": len(members),
@@ -204,7 +209,9 @@ def _rank_summary(run: RankRun) -> dict[str, Any]:
     steps = run.steps
     wait, compute, comm, checkpoint = (sum(getattr(x, k) for x in steps) for k in ("data_wait_s", "compute_s", "comm_s", "checkpoint_s"))
     wall = _wall(run)
-    ttfb = s.get("time_to_first_batch_s")
+    segments = _segments(run)
+    first = _segment_summaries(run).get(min(segments, default=0), {})  # the run's start, not a resume's
+    ttfb = first.get("time_to_first_batch_s")
     if not _is_number(ttfb):
         ttfb = steps[0].data_wait_s if steps else None
     gpu = s.get("gpu_util")
@@ -219,8 +226,10 @@ def _rank_summary(run: RankRun) -> dict[str, Any]:
         "checkpoint_s": _r(checkpoint),
         # compute includes comm (the all-reduce overlaps backward), so only these three are disjoint.
         "other_s": _r(max(0.0, wall - wait - compute - checkpoint)),
-        "steps": s["steps"] if _is_int(s.get("steps")) else len(steps),
-        "samples": s["samples"] if _is_int(s.get("samples")) else sum(x.samples for x in steps),
+        # The step log holds every step the run kept (steps redone after a resume only once).
+        "steps": len(steps) if steps or not _is_int(s.get("steps")) else s["steps"],
+        "samples": sum(x.samples for x in steps) if steps or not _is_int(s.get("samples")) else s["samples"],
+        "segments": max(1, len(segments)),
         "time_to_first_batch_s": _r(ttfb) if ttfb is not None else None,
         "gpu_util": gpu if _is_number(gpu) else None,
         "finished": run.summary is not None,
@@ -228,17 +237,60 @@ def _rank_summary(run: RankRun) -> dict[str, Any]:
 
 
 def _after_first_batch(run: RankRun) -> tuple[float, float]:
-    """(data wait, wall) of the rank after its first step: without startup and the cold first fetch."""
-    if not run.steps:
-        return 0.0, 0.0
-    return sum(x.data_wait_s for x in run.steps[1:]), _wall(run) - run.steps[0].t
+    """(data wait, wall) of the rank after the first step of each segment: without startups and
+    their cold first fetches."""
+    walls = _segment_walls(run)
+    wait = sum(x.data_wait_s for steps in _segments(run).values() for x in steps[1:])
+    return wait, sum(walls[seg] - steps[0].t for seg, steps in _segments(run).items())
+
+
+def _segments(run: RankRun) -> dict[int, list[StepRecord]]:
+    """The rank's step records by segment (first run, then each resume or restart), in order."""
+    out: dict[int, list[StepRecord]] = {}
+    for x in run.steps:
+        out.setdefault(x.segment, []).append(x)
+    return dict(sorted(out.items()))
+
+
+def _segment_summaries(run: RankRun) -> dict[int, Mapping[str, Any]]:
+    """The rank's summaries by segment: the last one written, and the earlier ones it carries."""
+    if run.summary is None:
+        return {}
+    last = max((x.segment for x in run.steps), default=0)
+    out: dict[int, Mapping[str, Any]] = {}
+    for s in [*(run.summary.get("earlier_segments") or []), run.summary]:
+        if isinstance(s, dict):
+            seg = s.get("segment", last)  # summaries of older versions: the run's only segment
+            out[seg if _is_int(seg) else last] = s
+    return out
+
+
+def _segment_walls(run: RankRun) -> dict[int, float]:
+    """Each segment's wall time: its summary's when the rank finished it, else its last step's end."""
+    summaries = _segment_summaries(run)
+    walls = {}
+    for seg, steps in _segments(run).items():
+        wall = summaries.get(seg, {}).get("wall_s")
+        # Same clock for both, so a wall time shorter than the last step's end is rounding only.
+        walls[seg] = max(float(wall), steps[-1].t) if _is_number(wall) else steps[-1].t
+    return walls
 
 
 def _wall(run: RankRun) -> float:
-    """The loop's wall time; without a summary, the end of the last step."""
-    last_t: float = run.steps[-1].t if run.steps else 0.0
-    # Same clock for both, so a wall time shorter than the last step's end is rounding only.
-    return max(float(run.summary["wall_s"]), last_t) if run.summary and "wall_s" in run.summary else last_t
+    """The loop's wall time over every segment of the run."""
+    if not run.steps:
+        wall = (run.summary or {}).get("wall_s")
+        return float(wall) if _is_number(wall) else 0.0
+    return sum(_segment_walls(run).values())
+
+
+def _all_summaries(summaries: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Rank summaries with the earlier segments each carries: loader counters of the whole run."""
+    out: list[Mapping[str, Any]] = []
+    for s in summaries:
+        out += [e for e in s.get("earlier_segments") or [] if isinstance(e, dict)]
+        out.append(s)
+    return out
 
 
 def _merge_loader(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
