@@ -12,7 +12,7 @@ import click
 
 from geoshard.env import read_environment
 from geoshard.plan import Plan
-from geoshard.sources import S3Access
+from geoshard.sources import REQUEST_TIMEOUT_S, S3Access
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -41,7 +41,14 @@ def s3_access(plan: Plan | None, endpoint: str | None) -> S3Access:
         if r.bucket_name:
             buckets.append((r.bucket_name, r.endpoint, r.profile))
             regions.append((r.bucket_name, r.name))
-    return S3Access(default_endpoint=endpoint or env.endpoint_url, buckets=tuple(buckets), regions=tuple(regions))
+    return S3Access(
+        default_endpoint=endpoint or env.endpoint_url, buckets=tuple(buckets), regions=tuple(regions), timeout_s=request_timeout()
+    )
+
+
+def request_timeout() -> float:
+    """Each S3 request's bound in seconds: GEOSHARD_TIMEOUT, else the default."""
+    return read_environment().timeout_s or REQUEST_TIMEOUT_S
 
 
 def created_time() -> str | None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from geoshard.cli_common import created_time, plan_option, quiet_dask, s3_access
+from geoshard.cli_common import created_time, plan_option, quiet_dask, request_timeout, s3_access
 from geoshard.errors import ConfigError
 from geoshard.plan import load_plan
 from geoshard.retry import Backoff
@@ -73,6 +73,7 @@ def _sync_settings(
         workers=workers,
         create_buckets=create_buckets,
         verify_remote=verify_remote,
+        timeout_s=request_timeout(),
         default_endpoint=s3_access(None, endpoint).default_endpoint,
         backoff=Backoff(attempts=retries + 1, base=1.0),
     )
@@ -126,7 +127,7 @@ def pull(plan_path: Path, region: str, to: Path, workers: int, endpoint: str | N
     plan = load_plan(plan_path)
     target = BucketTarget.of(plan.region(region), s3_access(None, endpoint).default_endpoint)
     with transfer_progress(enabled=not as_json) as progress:
-        report = run_pull(target, PullSettings(to=to, workers=workers), progress=progress.update)
+        report = run_pull(target, PullSettings(to=to, workers=workers, timeout_s=request_timeout()), progress=progress.update)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=1))
     else:
@@ -220,7 +221,13 @@ def probe(
     from geoshard.sync.probe import probe as run_probe
 
     plan = load_plan(plan_path)
-    settings = ProbeSettings(regions=regions, samples=samples, write=write, default_endpoint=s3_access(None, endpoint).default_endpoint)
+    settings = ProbeSettings(
+        regions=regions,
+        samples=samples,
+        write=write,
+        default_endpoint=s3_access(None, endpoint).default_endpoint,
+        timeout_s=request_timeout(),
+    )
     result = run_probe(plan, settings)
     render_heatmap(result, png)
     from geoshard.env import read_environment
@@ -239,6 +246,9 @@ def probe(
         for link in links:
             click.echo(f"WAN matrix {write_wan}: {link.a} <-> {link.b} {link.latency_ms:g} ms one way")
     if not all(c.ok for c in result.cells):
+        for c in result.cells:
+            if not c.ok:
+                click.echo(f"geoshard: error: region {c.region}: {c.error}", err=True)
         sys.exit(1)
 
 

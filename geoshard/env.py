@@ -17,6 +17,7 @@ class Environment:
     region: str | None = None
     geoshard_region: str | None = None
     source_date_epoch: int | None = None  # reproducible-builds convention: fixes manifest timestamps
+    timeout_s: float | None = None  # GEOSHARD_TIMEOUT: bound on each S3 request of split, sync, pull, probe, refresh
 
     def __repr__(self) -> str:  # never print credentials; this class holds none on purpose
         return f"Environment(endpoint_url={self.endpoint_url!r}, region={self.region!r})"
@@ -30,7 +31,22 @@ def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
         region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None,
         geoshard_region=env.get("GEOSHARD_REGION") or None,
         source_date_epoch=_int_or_none(env.get("SOURCE_DATE_EPOCH")),
+        timeout_s=_seconds(env.get("GEOSHARD_TIMEOUT"), "GEOSHARD_TIMEOUT"),
     )
+
+
+def _seconds(v: str | None, name: str) -> float | None:
+    from geoshard.errors import ConfigError
+
+    if not v:
+        return None
+    try:
+        s = float(v)
+    except ValueError:
+        s = -1.0
+    if not 0 < s < float("inf"):
+        raise ConfigError(f"{name}: must be a number of seconds > 0, got {v!r}")
+    return s
 
 
 def _int_or_none(v: str | None) -> int | None:

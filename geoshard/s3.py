@@ -103,7 +103,7 @@ def client(endpoint: str | None, profile: str | None = None, region: str | None 
         config=Config(
             connect_timeout=timeouts.connect_s,
             read_timeout=timeouts.read_s,
-            retries={"max_attempts": timeouts.attempts, "mode": "standard"},
+            retries={"total_max_attempts": timeouts.attempts, "mode": "standard"},  # the first try included
             max_pool_connections=timeouts.pool,
         ),
     )

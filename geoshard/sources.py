@@ -28,6 +28,9 @@ from geoshard.formats._window import Readable
 log = logging.getLogger(__name__)
 _GLOB = re.compile(r"[*?\[]")
 _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+# Each S3 request's bound: connect and read (seconds of silence), two tries. An endpoint that
+# accepts connections and never answers fails a call in 2 x this, not in minutes. GEOSHARD_TIMEOUT.
+REQUEST_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class S3Access:
     default_endpoint: str | None = None
     buckets: tuple[tuple[str, str | None, str | None], ...] = ()  # (bucket, endpoint, profile)
     regions: tuple[tuple[str, str], ...] = ()  # (bucket, plan region): the client's region_name
+    timeout_s: float = REQUEST_TIMEOUT_S
 
     def for_bucket(self, bucket: str) -> tuple[str | None, str | None]:
         for name, endpoint, profile in self.buckets:
@@ -149,9 +153,9 @@ def _walk(folder: str) -> list[str]:
     return sorted(p for p in found if os.path.isfile(p))
 
 
-def s3_client(endpoint: str | None, profile: str | None, region: str | None = None) -> Any:
+def s3_client(endpoint: str | None, profile: str | None, region: str | None = None, timeout_s: float = REQUEST_TIMEOUT_S) -> Any:
     # A pool as wide as the parallel listings and checks sync issues on long links.
-    return s3lib.client(endpoint, profile, region, s3lib.Timeouts(connect_s=5, read_s=60, attempts=3, pool=32))
+    return s3lib.client(endpoint, profile, region, s3lib.Timeouts(connect_s=min(timeout_s, 5.0), read_s=timeout_s, attempts=2, pool=32))
 
 
 def split_s3_url(url: str) -> tuple[str, str]:
@@ -175,7 +179,7 @@ def _expand_s3(pattern: str, fmt: Format | None, s3: S3Access) -> list[SourceRef
 
     bucket, key = split_s3_url(pattern)
     endpoint, profile = s3.for_bucket(bucket)
-    client = s3_client(endpoint, profile, s3.region_of(bucket))
+    client = s3_client(endpoint, profile, s3.region_of(bucket), s3.timeout_s)
     wild = _GLOB.search(key)
     prefix = key[: wild.start()] if wild else key
     out = []
@@ -231,7 +235,7 @@ def open_source(ref: SourceRef, s3: S3Access) -> Iterator[tuple[Readable, Hashin
         bucket, key = split_s3_url(ref.url)
         endpoint, profile = s3.for_bucket(bucket)
         try:
-            body = s3_client(endpoint, profile, s3.region_of(bucket)).get_object(Bucket=bucket, Key=key)["Body"]
+            body = s3_client(endpoint, profile, s3.region_of(bucket), s3.timeout_s).get_object(Bucket=bucket, Key=key)["Body"]
         except (ClientError, BotoCoreError) as e:
             raise _s3_failure(ref.url, endpoint, e) from e
         raw: Any = body

@@ -34,7 +34,9 @@ _ONCE = "; its later failures are counted in the report's tiers table, not logge
 
 @dataclass(frozen=True)
 class ChainSettings:
-    timeouts: tuple[tuple[str, float], ...] = (("alluxio", 2.0), ("local", 10.0), ("s3", 30.0))  # per tier kind, seconds
+    # Per tier kind, seconds of silence before a request fails (connect and read): an endpoint that
+    # accepts connections and never answers costs (backoff.attempts x this) before the next tier.
+    timeouts: tuple[tuple[str, float], ...] = (("alluxio", 2.0), ("local", 10.0), ("s3", 10.0))
     cooldown_s: float = 30.0
     backoff: Backoff = field(default_factory=lambda: Backoff(attempts=2, base=0.2, cap=2.0))
     allow_cross_region: bool = True

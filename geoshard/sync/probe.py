@@ -33,6 +33,7 @@ import statistics
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from functools import partial
@@ -43,7 +44,7 @@ from geoshard.endpoints import display_endpoint
 from geoshard.errors import GeoshardError
 from geoshard.plan import Plan, Region
 from geoshard.s3 import classify
-from geoshard.sources import s3_client
+from geoshard.sources import REQUEST_TIMEOUT_S, s3_client
 from geoshard.sync.remote import MANIFEST, BucketTarget
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class ProbeSettings:
     throughput_samples: int = 2
     write: bool = False  # allow the PUT (and DELETE) of <prefix>/.geoshard-probe
     connect_timeout: float = 3.0
+    timeout_s: float = REQUEST_TIMEOUT_S  # each request's read bound (two tries): an endpoint that never answers
     default_endpoint: str | None = None  # for regions without an endpoint (AWS_ENDPOINT_URL*)
 
     def __post_init__(self) -> None:
@@ -141,15 +143,16 @@ def probe(
     settings: ProbeSettings | None = None,
     *,
     origin: str | None = None,
-    client_factory: ClientFactory = s3_client,
+    client_factory: ClientFactory | None = None,
 ) -> ProbeResult:
-    """Probe every region of ``plan`` that has a bucket (or those in ``settings.regions``)."""
+    """Probe every region of ``plan`` that has a bucket (or those in ``settings.regions``), all
+    at once: a region that hangs costs its own timeout, not the others'."""
     settings = settings or ProbeSettings()
     wanted = set(settings.regions)
     if wanted:
         for name in wanted:
             plan.region(name)  # ConfigError naming the plan's regions if unknown
-    cells: list[ProbeCell] = []
+    todo: list[Region] = []
     skipped: list[str] = []
     for region in plan.regions:
         if wanted and region.name not in wanted:
@@ -157,7 +160,9 @@ def probe(
         if not region.bucket_name:
             skipped.append(region.name)
             continue
-        cells.append(probe_region(region, settings, client_factory))
+        todo.append(region)
+    with ThreadPoolExecutor(max_workers=max(1, len(todo))) as pool:
+        cells = list(pool.map(lambda r: probe_region(r, settings, client_factory), todo))
     s = asdict(settings)
     s.pop("default_endpoint")  # may hold a user:password; the cells show each endpoint redacted
     return ProbeResult(
@@ -169,14 +174,17 @@ def probe(
     )
 
 
-def probe_region(region: Region, settings: ProbeSettings, client_factory: ClientFactory = s3_client) -> ProbeCell:
+def probe_region(region: Region, settings: ProbeSettings, client_factory: ClientFactory | None = None) -> ProbeCell:
     target = BucketTarget.of(region, settings.default_endpoint)
     shown = display_endpoint(target.endpoint)
     where = f"{target.url()} at {shown}"
     t0 = time.perf_counter()
     cell = ProbeCell(region=region.name, url=target.url(), endpoint=shown)
     try:
-        client = client_factory(target.endpoint, target.profile, target.region)
+        if client_factory is None:
+            client = s3_client(target.endpoint, target.profile, target.region, settings.timeout_s)
+        else:
+            client = client_factory(target.endpoint, target.profile, target.region)
     except Exception as e:
         return _with(cell, t0, error=_describe(e, where, region.name))
     with contextlib.closing(client):

@@ -19,6 +19,7 @@ from geoshard.errors import StorageError, SyncError
 from geoshard.manifest import MANIFEST, ShardEntry, parse_region_manifest, write_atomic
 from geoshard.paths import check_shard_path
 from geoshard.retry import Backoff
+from geoshard.sources import REQUEST_TIMEOUT_S
 from geoshard.sync.remote import Bucket, BucketTarget
 from geoshard.sync.transfer import Transfer, Transferer
 from geoshard.verify import sha256_file
@@ -31,6 +32,7 @@ _sleep = time.sleep  # module-level so tests can record the backoff without touc
 class PullSettings:
     to: Path
     workers: int = 64
+    timeout_s: float = REQUEST_TIMEOUT_S  # each S3 request's connect and read bound (two tries)
     backoff: Backoff = field(default_factory=lambda: Backoff(attempts=3, base=1.0))
 
 
@@ -58,7 +60,7 @@ def pull(
     progress: Callable[[dict[str, int]], None] | None = None,
 ) -> PullReport:
     t0 = time.monotonic()
-    bucket = Bucket(target)
+    bucket = Bucket(target, timeout_s=settings.timeout_s)
     data = bucket.get(MANIFEST)
     if data is None:
         raise StorageError(f"{target.url(MANIFEST)}: no manifest in the bucket; run geoshard sync for region {target.region} first")

@@ -26,6 +26,7 @@ from geoshard.hashing import FAST
 from geoshard.manifest import RegionManifest, ShardEntry, parse_region_manifest, read_manifest, read_region_manifest, write_atomic
 from geoshard.plan import Plan
 from geoshard.retry import Backoff
+from geoshard.sources import REQUEST_TIMEOUT_S
 from geoshard.sync.remote import HISTORY, MANIFEST, Bucket, BucketTarget, MissingBucket, RemoteObject
 from geoshard.sync.s5cmd import S5cmdError
 from geoshard.sync.transfer import Transfer, Transferer
@@ -49,6 +50,7 @@ class SyncSettings:
     workers: int = 64  # s5cmd --numworkers
     create_buckets: bool = False
     verify_remote: bool = False  # re-download and hash every published shard (ETags catch most damage without it)
+    timeout_s: float = REQUEST_TIMEOUT_S  # each S3 request's connect and read bound (two tries)
     default_endpoint: str | None = None
     backoff: Backoff = field(default_factory=lambda: Backoff(attempts=3, base=1.0))
 
@@ -96,11 +98,11 @@ def sync(
         if n not in top.regions:
             raise DataError(f"{directory}: the split has no region {n!r}")
     transferer = transferer or Transferer(workers=settings.workers)
-    report = SyncReport(regions={}, dry_run=settings.dry_run)
-    for name in names:
+    report = SyncReport(regions={name: RegionReport(region=name) for name in names}, dry_run=settings.dry_run)
+
+    def one(name: str) -> None:
         t0 = time.monotonic()
-        rr = RegionReport(region=name)
-        report.regions[name] = rr
+        rr = report.regions[name]
         try:
             local = read_region_manifest(directory / top.regions[name].manifest)
             target = BucketTarget.of(plan.region(name), settings.default_endpoint)
@@ -109,6 +111,10 @@ def sync(
             rr.error = e.message  # the CLI reports it; logged here for library users
             log.info("region %s not published: %s", name, e.message)
         rr.seconds = time.monotonic() - t0
+
+    # Regions in parallel: a region whose endpoint hangs costs its own timeout, not everyone's.
+    with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:
+        list(pool.map(one, names))
     return report
 
 
@@ -122,7 +128,7 @@ def sync_region(
     progress: ProgressFn | None = None,
     bucket: Bucket | None = None,
 ) -> None:
-    bucket = bucket or Bucket(target)
+    bucket = bucket or Bucket(target, timeout_s=settings.timeout_s)
     started = datetime.now(UTC)
     t0 = time.monotonic()
     rr.generation = local.generation

@@ -18,7 +18,7 @@ from geoshard.errors import ConfigError, StorageError
 from geoshard.hashing import new as new_hash
 from geoshard.plan import Region
 from geoshard.s3 import classify
-from geoshard.sources import s3_client
+from geoshard.sources import REQUEST_TIMEOUT_S, s3_client
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -67,9 +67,9 @@ class BucketTarget:
 class Bucket:
     """Small ordered operations on one region's bucket (boto3, errors named by bucket and endpoint)."""
 
-    def __init__(self, target: BucketTarget, client: Any = None) -> None:
+    def __init__(self, target: BucketTarget, client: Any = None, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         self.target = target
-        self.client = client if client is not None else s3_client(target.endpoint, target.profile, target.region)
+        self.client = client if client is not None else s3_client(target.endpoint, target.profile, target.region, timeout_s)
 
     def _fail(self, what: str, e: Exception) -> StorageError:
         f = classify(e)
