@@ -22,6 +22,7 @@ TUN devices, which are not persistent, vanish with it even after SIGKILL of the 
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import json
@@ -152,21 +153,19 @@ def serve(config: dict[str, Any], control_in: Any, control_out: Any) -> int:
     except ProcessLookupError:
         return 0  # the owner died while starting us
     ctl = control_in.fileno()
-    ep = select.epoll()
     by_fd = {fd: i for i, fd in enumerate(fwd.fds)}
-    for fd in fwd.fds:
-        ep.register(fd, select.EPOLLIN)
-    ep.register(ctl, select.EPOLLIN)
-    ep.register(owner, select.EPOLLIN)
+    # select(), not epoll: its timeout has microsecond resolution, epoll's whole milliseconds
+    # (rounded up); with a handful of descriptors it costs the same.
+    watched = [*fwd.fds, ctl, owner]
     buf = b""
     reply(control_out, {"ready": True})
     now = time.monotonic()
     next_due: float | None = None
     while True:
-        timeout = -1.0 if next_due is None else max(0.0, next_due - now)
-        events = ep.poll(timeout)
+        timeout = None if next_due is None else max(0.0, next_due - now)
+        readable, _, _ = select.select(watched, [], [], timeout)
         now = time.monotonic()
-        for fd, _ in events:
+        for fd in readable:
             src = by_fd.get(fd)
             if src is not None:
                 fwd.drain(src, now)
@@ -200,12 +199,28 @@ def reply(out: Any, msg: dict[str, Any]) -> None:
     out.flush()
 
 
+def _realtime() -> None:
+    """SCHED_FIFO at the lowest real-time priority: the forwarder's timer is the matrix's accuracy.
+
+    Measured with the 2 cores here busy (load 7-10): as an ordinary process, delayed packets left
+    1-40 ms late on average (up to 100 ms); at SCHED_FIFO 0.07-0.1 ms (max 0.75 ms). The loop
+    blocks in select() between packets, and the kernel's real-time throttling (95% of each period)
+    bounds it should it ever spin. Without the privilege, fall back to a nice of -10."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    except (OSError, AttributeError):
+        with contextlib.suppress(OSError):
+            os.nice(-10)
+
+
 def main() -> int:
     line = sys.stdin.buffer.readline()
     if not line:
         return 0
     config = json.loads(line)
-    # The rest of stdin is read unbuffered through the fd (the epoll loop), so the first line must be alone in the pipe.
+    if config.get("realtime", True):
+        _realtime()
+    # The rest of stdin is read unbuffered through the fd (the select loop), so the first line must be alone in the pipe.
     return serve(config, sys.stdin, sys.stdout)
 
 

@@ -88,8 +88,12 @@ def _has_caps(*bits: int) -> bool:
 
 
 class Rehearsal:
-    def __init__(self, matrix: WanMatrix, regions: Iterable[str] | None = None, *, measure_ceiling: bool = True) -> None:
+    def __init__(
+        self, matrix: WanMatrix, regions: Iterable[str] | None = None, *, measure_ceiling: bool = True, realtime: bool = True
+    ) -> None:
+        """``realtime``: run the forwarder at SCHED_FIFO priority 1, which keeps its timer accurate on a busy machine."""
         self.matrix = matrix
+        self._realtime = realtime
         self.regions: tuple[str, ...] = matrix.check_regions(matrix.regions if regions is None else regions)
         self._measure = measure_ceiling
         self._names: dict[str, str] = {}
@@ -277,6 +281,7 @@ class Rehearsal:
         )
         config = {
             "owner": os.getpid(),
+            "realtime": self._realtime,
             "regions": [{"fd": fd, "address": self._addresses[r]} for fd, r in zip(fds, self.regions, strict=True)],
             "links": self._links(calibrate=True),
         }
