@@ -407,7 +407,7 @@ def test_gloo_allreduce_across_three_namespaces_slows_with_latency() -> None:
         regions = wan.regions
         procs = []
         for rank, r in enumerate(regions):
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": wan.ifname(r), "PYTHONSAFEPATH": "1"}
+            env = {**os.environ, **wan.env(r), "PYTHONSAFEPATH": "1"}
             argv = py(RANK, str(rank), wan.address(regions[0]), "29511", str(iters), str(len(latencies)))
             procs.append(
                 subprocess.Popen(

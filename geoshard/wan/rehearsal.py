@@ -119,6 +119,11 @@ class Rehearsal:
         self._known(region)
         return IFNAME
 
+    def env(self, region: str) -> dict[str, str]:
+        """Variables that make gloo and NCCL use the region's WAN interface (add them to the rank's environment)."""
+        ifname = self.ifname(region)
+        return {"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname}
+
     def exec_argv(self, region: str, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside the region's namespace (``ip netns exec`` execs it: same pid, same environment)."""
         return [netns.ip_binary(), "netns", "exec", self.netns(region), *argv]
