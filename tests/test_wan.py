@@ -10,9 +10,11 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +25,7 @@ from servers import SeaweedS3
 from geoshard.errors import ConfigError
 from geoshard.wan import Rehearsal, load_matrix, parse_matrix, require_root, write_matrix
 from geoshard.wan import netns as wan_netns
-from geoshard.wan.errors import NeedsRootError
+from geoshard.wan.errors import NeedsRootError, WanError
 from geoshard.wan.matrix import Link, matrix_from_rtts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -343,6 +345,57 @@ def test_rtt_between_namespaces_matches_the_matrix(two_regions: Rehearsal) -> No
     sent, packets = (after[(US, EU)][i] - before[(US, EU)][i] for i in (0, 1))
     assert packets >= 11 and sent >= 11 * 100, after
     assert after[(EU, US)][1] - before[(EU, US)][1] >= 11
+
+
+RTT_CLIENT = """
+import json, socket, statistics, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for i in range(6):
+    t0 = time.perf_counter()
+    c.sendall(b"y" * 100)
+    got = b""
+    while len(got) < 100:
+        got += c.recv(100 - len(got))
+    assert got == b"y" * 100
+    rtts.append(time.perf_counter() - t0)
+print(json.dumps(statistics.median(rtts[1:])))
+"""
+
+
+@needs_root
+def test_expose_serves_a_host_service_at_a_regions_address(two_regions: Rehearsal) -> None:
+    """One echo server on the host's loopback, exposed in eu-west-1: local there, 40 ms away from us-east-1."""
+    wan = two_regions
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(20)
+
+    def serve() -> None:
+        for _ in range(2):
+            conn, _ = server.accept()
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                while data := conn.recv(4096):
+                    conn.sendall(data)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    with server:
+        addr, port = wan.expose(EU, server.getsockname()[1])
+        assert addr == wan.address(EU)
+        before = wan.counters()[(US, EU)][0]
+        rtt = {}
+        for region in (EU, US):
+            r = subprocess.run(wan.exec_argv(region, py(RTT_CLIENT, addr, str(port))), capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            rtt[region] = json.loads(r.stdout) * 1000
+        t.join(10)
+    assert rtt[EU] < 10.0, rtt  # the region's own service: no link in between
+    assert rtt[US] == pytest.approx(40.0, rel=0.10), rtt
+    assert wan.counters()[(US, EU)][0] - before >= 6 * 100
+    with pytest.raises(WanError, match="not a loopback address"):
+        wan.expose(EU, 80, host="10.0.0.1")
 
 
 @needs_root

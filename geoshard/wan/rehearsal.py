@@ -16,6 +16,7 @@ SIGTERM, then SIGKILL, and the namespaces are removed.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from typing import IO, Any
 from geoshard.wan import netns
 from geoshard.wan.errors import NeedsRootError, WanError
 from geoshard.wan.matrix import WanMatrix
+from geoshard.wan.relay import Relay
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,7 @@ class Rehearsal:
         self._baseline: dict[tuple[str, str], tuple[int, int, int]] = {}
         self._ceiling: Ceiling | None = None
         self._old_sigterm: Any = None
+        self._relays: list[Relay] = []
 
     # -- what users of the rehearsal need -------------------------------------------------------
 
@@ -127,6 +130,28 @@ class Rehearsal:
     def exec_argv(self, region: str, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside the region's namespace (``ip netns exec`` execs it: same pid, same environment)."""
         return [netns.ip_binary(), "netns", "exec", self.netns(region), *argv]
+
+    def expose(self, region: str, port: int, host: str = "127.0.0.1") -> tuple[str, int]:
+        """Make the host's TCP service ``host:port`` (loopback only) reachable inside ``region``'s namespace.
+
+        Returns the (address, port) to use from any region: the region's own ranks reach it
+        locally, other regions' through the forwarder, behind their link to ``region``. One S3
+        server on the host can so serve each region's bucket from that region's address.
+        """
+        if not ipaddress.ip_address(host).is_loopback:
+            raise WanError(f"expose: {host} is not a loopback address; the rehearsal reaches nothing outside this host")
+        with netns.inside(self.netns(region)):
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((self.address(region), 0))
+            listener.listen(128)
+        except OSError as e:
+            listener.close()
+            raise WanError(f"expose: cannot listen in {region}: {e}") from e
+        relay = Relay(listener, (host, port), f"{region}-{port}").start()  # its threads run in the host's namespace
+        self._relays.append(relay)
+        return relay.address
 
     @property
     def forwarder_pid(self) -> int | None:
@@ -201,6 +226,9 @@ class Rehearsal:
     def stop(self) -> None:
         """Stop the forwarder, what still runs in the namespaces, and remove them. Idempotent."""
         self._release_sigterm()
+        relays, self._relays = self._relays, []
+        for relay in relays:
+            relay.close()
         fwd, self._forwarder = self._forwarder, None
         if fwd is not None:
             with contextlib.suppress(OSError, ValueError):
