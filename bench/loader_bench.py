@@ -444,11 +444,11 @@ def steady(corpus: Path, epoch_seconds: float, epochs: int) -> dict[str, dict[st
         # Calibrate: one epoch over the corpus once (start-up included, so the rate is an underestimate).
         probe = measure_steady(name, corpus, 1, 2)
         rate = meta["samples"] / min(probe["runs"])
-        k = max(1, math.ceil(epoch_seconds * 1.2 * rate / meta["samples"]))
+        k = max(1, math.ceil(epoch_seconds * 1.5 * rate / meta["samples"]))
         t = time.perf_counter()
         got = measure_steady(name, corpus, k, epochs)
         if min(got["runs"]) < epoch_seconds:  # the calibration underestimated the steady rate: longer epochs
-            k = math.ceil(k * epoch_seconds * 1.2 / min(got["runs"]))
+            k = math.ceil(k * epoch_seconds * 1.5 / min(got["runs"]))
             got = measure_steady(name, corpus, k, epochs)
         med = statistics.median(got["runs"])
         got.update(k=k, label=DL_LABELS[name], median_s=med, samples_per_s=got["samples"] / med, mb_per_s=got["img_bytes"] / med / 1e6)

@@ -17,6 +17,7 @@ Raw samples are WebDataset dicts (``__key__`` and each field as bytes) or TFReco
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
@@ -94,7 +95,7 @@ class Raw:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -166,15 +167,18 @@ def fill_batch(spec: TensorSpec, samples: Sequence[Mapping[str, Any]], shards: S
         try:
             if isinstance(kind, Raw):
                 k = kind.nbytes
-                for i, s in enumerate(samples):
+                at = off
+                for i, s in enumerate(samples):  # noqa: B007 - i names the sample in an error
                     v = s[name]
                     if len(v) != k:
                         raise DataError(f"{len(v)} bytes, the TensorSpec wants {k} ({kind.dtype} {kind.shape})")
-                    mv[off + i * k : off + (i + 1) * k] = v
+                    mv[at : at + k] = v
+                    at += k
             else:
-                labels = np.frombuffer(mv, dtype=np.int64, count=n, offset=off)
-                for i, s in enumerate(samples):
-                    labels[i] = int(bytes(s[name]))
+                values = []
+                for i, s in enumerate(samples):  # noqa: B007 - i names the sample in an error
+                    values.append(int(bytes(s[name])))
+                np.frombuffer(mv, dtype=np.int64, count=n, offset=off)[:] = values
         except KeyError:
             raise DataError(f"{shards[i]}: sample {_key(samples[i])} has no field {name!r} (TensorSpec)") from None
         except (ValueError, OverflowError, DataError) as e:
@@ -193,7 +197,7 @@ def unpack(batch: PackedBatch, base: Any) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for name, dtype, shape, off in batch.fields:
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         arr = base[off : off + count * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
         out[name] = torch.from_numpy(arr)
     if batch.keys is not None:
