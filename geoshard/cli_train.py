@@ -3,6 +3,7 @@ the IO-wait report of the run."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import click
@@ -29,9 +30,12 @@ def train(nproc: int, regions_spec: str | None, max_restarts: int, **kwargs: Any
     from geoshard.cli_report import render_report
     from geoshard.plan import load_plan
     from geoshard.trainer.launch import launch, launch_regions, parse_regions
+    from geoshard.trainer.preflight import preflight
     from geoshard.trainer.report import build_report
 
     cfg = config_from(**kwargs)
+    # The plan, the region(s), the options and the corpus layout, before torchrun starts.
+    preflight(cfg, nproc, [r.region for r in parse_regions(regions_spec)] if regions_spec is not None else ())
     if regions_spec is not None:
         regions = parse_regions(regions_spec)
         plan = load_plan(cfg.plan)
@@ -41,5 +45,17 @@ def train(nproc: int, regions_spec: str | None, max_restarts: int, **kwargs: Any
     else:
         code = launch(cfg, nproc, max_restarts)
     if code != 0:
-        raise TrainingFailed(f"torchrun exited with {code}; the ranks' errors are above, their step logs in {cfg.out}")
+        raise launch_failure(cfg.out, code)
     click.echo(render_report(build_report(cfg.out, cfg.budget)))
+
+
+def launch_failure(out: Path, code: int) -> GeoshardError:
+    """The failed rank's own line and exit code; else what crashed, and where its output is."""
+    from geoshard.trainer.failures import RankFailed, first_failure, last_traceback_line, logs_dir
+
+    failure = first_failure(out)
+    if failure is not None:
+        return RankFailed(failure)
+    crash = last_traceback_line(out)
+    what = f"training stopped (torchrun exit {code})" + (f": {crash}" if crash else "")
+    return TrainingFailed(f"{what}; the ranks' output: {logs_dir(out) / 'stderr.log'}")

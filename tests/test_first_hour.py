@@ -459,3 +459,56 @@ def test_report_after_resume_covers_the_whole_run(corpus_plan: Path, tmp_path: P
     hits = sum(t["hits"] for t in report["tiers"].values())
     assert hits >= sum(len(json.loads((out / f"rank{r}.json").read_text())["earlier_segments"]) for r in range(2)) > 0
     assert "60 steps (1..60) in 2 segments (resumed or restarted; all of them counted)" in second.stdout
+
+
+# --- 3. errors before launch, and a failed rank's own line once, with its code ---------------------
+
+
+@pytest.fixture(scope="module")
+def tfrecord_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_loaders import split
+
+    return split(tmp_path_factory.mktemp("tfcorpus"), fmt="tfrecord", samples=600)
+
+
+def _one_line(r: subprocess.CompletedProcess[str], code: int, *words: str) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == code and len(lines) == 1, (r.returncode, r.stderr[-3000:])
+    assert lines[0].startswith("geoshard: error: ") and "Traceback" not in r.stdout + r.stderr, r.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]
+
+
+def test_train_checks_plan_region_options_and_layout_before_torchrun(corpus_plan: Path, tfrecord_plan: Path, tmp_path: Path) -> None:
+    out = tmp_path / "runx"
+    no_region = {"AWS_REGION": "", "AWS_DEFAULT_REGION": ""}
+    cases = [
+        (("--plan", corpus_plan, "--region", "eu-west-2"), "unknown region 'eu-west-2'; plan has us-east-1, eu-west-1, ap-southeast-1"),
+        (("--plan", corpus_plan), "no region: pass --region REGION or set GEOSHARD_REGION"),
+        (("--plan", corpus_plan, "--region", "eu-west-1", "--num-workers", "-1"), "--num-workers must be at least 0, got -1"),
+        (("--plan", corpus_plan, "--region", "eu-west-1", "--metrics-port", "80000"), "--metrics-port must be a TCP port"),
+        (("--plan", tfrecord_plan, "--region", "eu-west-1"), "its shards are tfrecord; the built-in model reads WebDataset samples"),
+    ]
+    for args, words in cases:
+        r = run("train", *args, "--steps", "3", "--out", out, env=no_region)
+        line = _one_line(r, 2, words)
+        assert "pass region=" not in line and not out.exists(), line  # nothing launched, no run folder
+
+
+@pytest.mark.slow
+def test_a_failed_rank_is_one_line_once_with_its_exit_code(corpus_plan: Path, tmp_path: Path) -> None:
+    out = tmp_path / "runF"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "latest.json").write_text("{not json")
+    r = run("train", "--plan", corpus_plan, *TRAIN, "--steps", "3", "--resume", "--out", out)
+    line = _one_line(r, 1, "rank ", "latest.json is malformed", "fix or remove it")
+    assert "ChildFailedError" not in r.stdout and "torchrun" not in line
+    assert "ChildFailedError" in (out / "logs" / "stderr.log").read_text()  # the whole story is kept, in the run folder
+
+    # a rank's configuration error exits 2: resuming with more ranks than the checkpoint has positions for
+    one = tmp_path / "run1"
+    r = run("train", "--plan", corpus_plan, *TRAIN[:2], "--nproc", "1", *TRAIN[4:], "--steps", "2", "--out", one)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run("train", "--plan", corpus_plan, *TRAIN, "--steps", "4", "--resume", "--out", one)
+    _one_line(r, 2, "geoshard: error: rank ", "loader state does not fit this loader: region_size is 1 there, 2 here")

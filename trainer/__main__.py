@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -17,11 +18,14 @@ from geoshard.errors import GeoshardError
 def main(**kwargs: Any) -> None:
     """Train the demo model with DDP on one region's data and write RUN_DIR/report.json."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from geoshard.trainer.failures import record_failure
     from geoshard.trainer.loop import train
 
+    cfg = config_from(**kwargs)
     try:
-        train(config_from(**kwargs))
+        train(cfg)
     except GeoshardError as e:
+        record_failure(cfg.out, int(os.environ.get("RANK", "0")), e)  # geoshard train prints it once
         click.echo(f"geoshard.trainer: error: {e.message}", err=True)
         sys.exit(e.exit_code)
 

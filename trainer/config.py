@@ -62,6 +62,14 @@ class TrainConfig:
             raise ConfigError(f"--sync must be one of {', '.join(SYNCS)}, got {self.sync!r}")
         if not 0 < self.budget < 1:
             raise ConfigError(f"--budget must lie between 0 and 1, got {self.budget}")
+        for name, low in (("num_workers", 0), ("prefetch", 1), ("shuffle_buffer", 0), ("fp32_after", 0)):
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be above 0, got {self.lr}")
+        if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be a TCP port (1-65535; rank R serves on PORT+R), got {self.metrics_port}")
 
     @property
     def checkpoint_target(self) -> str:

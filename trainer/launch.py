@@ -9,6 +9,8 @@ region's address, so every byte between regions crosses the rehearsal's links.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 import re
 import signal
@@ -18,8 +20,11 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from geoshard.trainer.config import TrainConfig
+from geoshard.trainer.failures import StderrRelay, clear_failures, logs_dir
 
 from geoshard.errors import ConfigError
 
@@ -98,10 +103,26 @@ def _base_env(env: Mapping[str, str] | None) -> dict[str, str]:
 
 
 def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0, env: Mapping[str, str] | None = None) -> int:
-    """Run a one-region job to the end; torchrun's exit status. ``env`` adds variables for the ranks."""
+    """Run a one-region job to the end; torchrun's exit status. ``env`` adds variables for the ranks.
+
+    stderr (torchrun's and the ranks') goes to RUN_DIR/logs/stderr.log, geoshard's warnings on to
+    ours (``failures.StderrRelay``); a failed rank's one line is in RUN_DIR/logs/error-rank{R}.json."""
     argv = torchrun_argv(cfg, nproc, max_restarts, local_addr="127.0.0.1")
+    logs = _fresh_logs(cfg)
     # An argv list, no shell: nothing the user passes is interpreted.
-    return subprocess.run(argv, env=_base_env(env), check=False).returncode  # noqa: S603
+    proc = subprocess.Popen(argv, env=_base_env(env), stderr=subprocess.PIPE)  # noqa: S603
+    assert proc.stderr is not None
+    relay = StderrRelay(proc.stderr, logs / "stderr.log")
+    code = proc.wait()
+    relay.join()
+    return code
+
+
+def _fresh_logs(cfg: TrainConfig) -> Path:
+    logs = logs_dir(cfg.out)
+    logs.mkdir(parents=True, exist_ok=True)
+    clear_failures(cfg.out)
+    return logs
 
 
 Wrap = Callable[[str, list[str]], list[str]]
@@ -114,6 +135,8 @@ class RegionNet:
     address: Callable[[str], str] = lambda region: "127.0.0.1"
     wrap: Wrap = lambda region, argv: argv
     env: Callable[[str], Mapping[str, str]] = lambda region: {}
+    # Runs a block with this thread in the region's network (sockets made there stay there).
+    inside: Callable[[str], contextlib.AbstractContextManager[None]] = lambda region: contextlib.nullcontext()
 
 
 def launch_regions(
@@ -128,11 +151,17 @@ def launch_regions(
         raise ConfigError("--region names one region for the whole job; with --regions each region's ranks get their own")
     net = net or RegionNet()
     host = net.address(regions[0].region)
-    port = free_port("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0")  # noqa: S104  (only a free number is wanted)
+    # The rendezvous store lives in this process, which outlives every agent: an agent hosting it
+    # would take it down while the others still send their last heartbeats.
+    with net.inside(regions[0].region):
+        store = _rendezvous_store(host)
+    port = store.port
     run_id = f"geoshard-{os.getpid()}-{time.time_ns() % 10**9}"
     procs: list[subprocess.Popen[bytes]] = []
+    relays: list[StderrRelay] = []
+    logs, seen = _fresh_logs(cfg), set[bytes]()
     try:
-        for i, r in enumerate(regions):
+        for r in regions:
             argv = torchrun_argv(
                 cfg,
                 r.nproc,
@@ -141,14 +170,26 @@ def launch_regions(
                 nnodes=len(regions),
                 host=host,
                 local_addr=net.address(r.region),
-                is_host=i == 0,
+                is_host=False,
                 run_id=run_id,
             )
             agent_env = _base_env({**(env or {}), **net.env(r.region), "GEOSHARD_REGION": r.region})
-            procs.append(subprocess.Popen(net.wrap(r.region, argv), env=agent_env))  # noqa: S603
+            proc = subprocess.Popen(net.wrap(r.region, argv), env=agent_env, stderr=subprocess.PIPE)  # noqa: S603
+            procs.append(proc)
+            assert proc.stderr is not None
+            relays.append(StderrRelay(proc.stderr, logs / "stderr.log", seen=seen))
         return _wait_all(procs)
     finally:
         _stop(procs)
+        for relay in relays:
+            relay.join()
+        del store
+
+
+def _rendezvous_store(host: str) -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, 0, is_master=True, wait_for_workers=False, multi_tenant=True, timeout=datetime.timedelta(seconds=900))
 
 
 def _wait_all(procs: list[subprocess.Popen[bytes]]) -> int:

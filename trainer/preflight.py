@@ -1,0 +1,66 @@
+"""What ``geoshard train`` checks before it starts torchrun: everything one process can check
+alone (the plan, the region, every option, the corpus layout the model reads), so a mistake is
+one line on stderr with its exit code, not a rank's traceback inside 100 lines of torchrun."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from geoshard.trainer.config import TrainConfig
+
+from geoshard.env import read_environment
+from geoshard.errors import ConfigError
+from geoshard.plan import Plan, load_plan
+
+# What the built-in model reads from each sample (geoshard.trainer.model.collate).
+MODEL_FIELDS = ("img", "cls")
+
+
+def preflight(cfg: TrainConfig, nproc: int, regions: Sequence[str] = (), *, check_layout: bool = True) -> list[str]:
+    """The regions the job reads (``regions`` of ``--regions``, else the node's region); raises
+    ConfigError naming what to change."""
+    plan = load_plan(cfg.plan)
+    names = list(regions) or [node_region(cfg.region, plan)]
+    for name in names:
+        plan.region(name)  # an unknown region: one line naming the plan's regions
+    if cfg.metrics_port is not None and cfg.metrics_port + nproc - 1 > 65535:
+        raise ConfigError(f"--metrics-port {cfg.metrics_port}: rank {nproc - 1} would serve on {cfg.metrics_port + nproc - 1}, past 65535")
+    if check_layout:
+        for name in names:
+            model_layout(plan, name)
+    return names
+
+
+def node_region(region: str | None, plan: Plan) -> str:
+    """``--region``, else GEOSHARD_REGION, else AWS_REGION (what the ranks will resolve)."""
+    env = read_environment()
+    found = region or env.geoshard_region or env.region
+    if not found:
+        raise ConfigError(
+            f"no region: pass --region REGION or set GEOSHARD_REGION (or AWS_REGION) to the region this node runs in; "
+            f"{plan.path or 'the plan'} has {', '.join(plan.region_names)}"
+        )
+    return found
+
+
+def model_layout(plan: Plan, region: str) -> None:
+    """The built-in model reads WebDataset samples with ``img`` and ``cls``: check the region's
+    manifest and its first sample (one shard fetched through the region's tier chain)."""
+    from geoshard.loaders import RegionalDataset
+
+    ds = RegionalDataset(plan, region=region, shuffle=False, prefetch=1, region_rank=0, region_size=1)
+    hint = "measure your own data with --model none --step-time 80ms, or train your model on geoshard.loaders (docs/cli.md)"
+    if ds.manifest.format != "wds":
+        raise ConfigError(
+            f"region {region}: its shards are {ds.manifest.format}; the built-in model reads WebDataset samples "
+            f"with {' and '.join(MODEL_FIELDS)} fields; {hint}"
+        )
+    sample = next(iter(ds), None)
+    if sample is None:
+        raise ConfigError(f"region {region}: its manifest lists no samples")
+    missing = [f for f in MODEL_FIELDS if f not in sample]
+    if missing:
+        fields = ", ".join(sorted(k for k in sample if not k.startswith("__")))
+        raise ConfigError(
+            f"region {region}: its samples have {fields}; the built-in model needs {' and '.join(MODEL_FIELDS)}; {hint}"
+        )
