@@ -16,7 +16,7 @@ from geoshard.errors import ConfigError
 from geoshard.plan import load_plan
 from geoshard.retry import Backoff
 from geoshard.split import SplitSettings
-from geoshard.sync.push import SyncSettings
+from geoshard.sync.push import SyncReport, SyncSettings
 
 _SYNC_KEYS = ("regions", "dry_run", "delete", "keep_generations", "workers", "retries", "create_buckets", "verify_remote", "endpoint")
 
@@ -102,10 +102,15 @@ def sync(directory: Path, plan_path: Path, sync_settings: SyncSettings, as_json:
         report = run_sync(directory, plan, sync_settings, progress=progress.update)
     _print_sync(report.to_dict(), as_json)
     if not report.ok:
-        for name, r in report.regions.items():
-            if r.error:
-                click.echo(f"geoshard: error: region {name} not published: {r.error}", err=True)
+        _region_errors(report)
         sys.exit(1)
+
+
+def _region_errors(report: SyncReport) -> None:
+    """One line on stderr per region that was not published, whatever went to stdout."""
+    for name, r in report.regions.items():
+        if r.error:
+            click.echo(f"geoshard: error: region {name} not published: {r.error}", err=True)
 
 
 @click.command()
@@ -190,6 +195,8 @@ def refresh(
         if report.sync:
             _print_sync(report.sync.to_dict(), False)
     if not report.ok:
+        if report.sync:
+            _region_errors(report.sync)
         sys.exit(1)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from geoshard.errors import ConfigError
+from geoshard.paths import plain_relative
 from geoshard.units import parse_size
 
 Policy = Literal["hash", "field", "replicate"]
@@ -188,10 +189,20 @@ def plan_from_dict(doc: dict[str, Any], source: str = "plan", text: str | None =
         bucket = opt_str(rd, "bucket", prefix)
         if bucket is not None and not re.match(r"^s3://[a-z0-9][a-z0-9.-]{1,62}(/.*)?$", bucket):
             raise fail(f"{prefix}bucket", f"must be an s3://bucket/prefix URL, got {bucket!r}")
+        key_prefix = bucket[5:].partition("/")[2].strip("/") if bucket else ""
+        if key_prefix:
+            try:
+                plain_relative(key_prefix, "prefix")
+            except ConfigError:
+                raise fail(f"{prefix}bucket", f"the key prefix must be plain (no '.', '..' or empty parts), got {bucket!r}") from None
         endpoint = opt_str(rd, "endpoint", prefix)
         alluxio = opt_str(rd, "alluxio", prefix)
         if endpoint is not None and not re.match(r"^https?://[^\s/]+", endpoint):
             raise fail(f"{prefix}endpoint", f"must be an http(s):// URL, got {endpoint!r}")
+        for k, url in (("endpoint", endpoint), ("alluxio", alluxio)):
+            # The plan is copied into every manifest: a user:password@ there would be published.
+            if url is not None and "@" in url.split("://", 1)[-1].split("/", 1)[0]:
+                raise fail(f"{prefix}{k}", "must not carry credentials (user:password@); use the AWS_* variables or a profile")
         # A worker's HTTP API (http://host:port), or Alluxio's S3-compatible proxy (s3+http://host:port).
         if alluxio is not None and not re.match(r"^(s3\+)?https?://[^\s/]+", alluxio):
             raise fail(f"{prefix}alluxio", f"must be http(s)://worker:port or s3+http(s)://proxy:port, got {alluxio!r}")

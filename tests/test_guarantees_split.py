@@ -133,6 +133,12 @@ BAD: dict[str, tuple[str, Callable[[], bytes], str]] = {
     "non-utf8-key": ("t.tar", lambda: _tar([(b"a\xffb.jpg", b"1")]), "is not UTF-8"),
     "oversized-member": ("t.tar", lambda: _tar([(b"a.jpg", b"1" * 5000)])[:3000], "member declares 5000 bytes"),
     "gnu-2-60-member": ("t.tar", _gnu_huge_member, f"member declares {2**60} bytes"),
+    "absolute-member": (
+        "t.tar",
+        lambda: _tar([(b"/etc/k.jpg", b"1")]),
+        "'/etc/k.jpg' at byte 0 has an absolute path or a '..' part; refused",
+    ),
+    "dotdot-member": ("t.tar", lambda: _tar([(b"a.jpg", b"1"), (b"x/../../k.jpg", b"1")]), "'x/../../k.jpg' at byte 1024 has an absolute"),
 }
 
 

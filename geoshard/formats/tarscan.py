@@ -93,6 +93,8 @@ def scan(buf: bytes, pos: int, eof: bool, members: bool = False) -> ScanResult |
     keys = names * (cols < key_len[:, None])
     if ((keys != 0) & ((keys < 32) | (keys >= 127))).any():
         return None  # control characters (an error) or non-ASCII keys (need a UTF-8 check)
+    if (names[:, 0] == 47).any() or ((keys[:, 1:] == 46) & (keys[:, :-1] == 46)).any():
+        return None  # an absolute path or '..' in a key: the slow path refuses it by name
     key_s = keys.view(f"S{width}").ravel()
     new_sample = np.ones(complete, dtype=bool)
     new_sample[1:] = key_s[1:] != key_s[:-1]

@@ -153,6 +153,11 @@ def _slow_samples(w: Window, name: str, unterminated: OnUnterminated | None = No
             if key is not None:
                 yield key, b"".join(parts)
             check_key(k, name)
+            if k.startswith(b"/") or b".." in k.split(b"/"):
+                raise DataError(
+                    f"{name}: tar member {member.decode(errors='replace')!r} at byte {offset} has an absolute path or a '..' "
+                    "part; refused (a reader extracting the shard would write outside its folder)"
+                )
             key, parts, names = k, [], set()
         elif member in names:
             raise DataError(

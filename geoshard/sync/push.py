@@ -156,7 +156,7 @@ def sync_region(
         # strand readers of the newer one.
         raise SyncError(
             f"{target.url(MANIFEST)}: the bucket holds generation {remote.generation}, local split is generation "
-            f"{local.generation} with other shards; sync from the folder that produced the bucket's generation"
+            f"{local.generation}{_difference(remote, local)}; sync from the folder that produced the bucket's generation"
         )
     published = {s.path: s.sha256 for s in remote.shards} if remote else {}
     etags = _load_etags(root)
@@ -229,6 +229,17 @@ def sync_region(
     if settings.delete:
         unreferenced = _unreferenced(bucket, after, local, settings.keep_generations)
         rr.deleted = bucket.delete(unreferenced)
+
+
+def _difference(remote: RegionManifest, local: RegionManifest) -> str:
+    """What sets the bucket's manifest apart from the local one of the same generation."""
+    if remote.generation != local.generation:
+        return ""
+    if {(s.path, s.sha256) for s in remote.shards} != {(s.path, s.sha256) for s in local.shards}:
+        return " with other shards"
+    if remote.plan_sha256 != local.plan_sha256:
+        return " with the same shards but another plan (plan hash differs)"
+    return " with the same shards but another manifest"
 
 
 def _same_size(obj: RemoteObject | None, size: int) -> bool:
