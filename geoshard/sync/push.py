@@ -160,6 +160,7 @@ def sync_region(
         )
     published = {s.path: s.sha256 for s in remote.shards} if remote else {}
     etags = _load_etags(root)
+    cached = dict(etags)
 
     # Shards the bucket's manifest names, listed with the size and ETag their bytes give, need no
     # local read; any other listed ETag (an object overwritten or damaged in the bucket) is
@@ -192,7 +193,7 @@ def sync_region(
     )
     if not uploads and remote_data == local.to_json():
         rr.published = True  # already the bucket's manifest, and every shard it names is there
-        if not settings.dry_run:
+        if not settings.dry_run and etags != cached:
             _save_etags(root, etags)
         log.info("%s: nothing to do (%.2f s)", target.region, time.monotonic() - t0)
         if settings.delete and not settings.dry_run:
