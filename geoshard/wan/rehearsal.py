@@ -195,8 +195,13 @@ class Rehearsal:
         if self._names:
             raise WanError("the rehearsal is already running")
         netns.clear_stale()
-        token = secrets.token_hex(2)
-        self._names = {r: f"{netns.PREFIX}{os.getpid()}-{int(token, 16)}-{r}" for r in self.regions}
+        existing = set(netns.list_namespaces())
+        while True:  # a fresh number per rehearsal: several may run in one process
+            seq = secrets.randbelow(1 << 16)
+            names = {r: netns.namespace_name(os.getpid(), seq, r) for r in self.regions}
+            if not existing & set(names.values()):
+                break
+        self._names = names
         try:
             self._start_watchdog()
             fds: list[int] = []
