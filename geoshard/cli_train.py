@@ -27,6 +27,7 @@ class TrainingFailed(GeoshardError):
 @click.option("--max-restarts", default=0, show_default=True, type=click.IntRange(min=0), help="torchrun restarts after a failure.")
 def train(nproc: int, regions_spec: str | None, max_restarts: int, **kwargs: Any) -> None:
     """Train with torchrun on this node and print the IO-wait report."""
+    from geoshard.cli_progress import TrainProgress
     from geoshard.cli_report import render_report
     from geoshard.plan import load_plan
     from geoshard.trainer.launch import launch, launch_regions, parse_regions
@@ -36,6 +37,8 @@ def train(nproc: int, regions_spec: str | None, max_restarts: int, **kwargs: Any
     cfg = config_from(**kwargs)
     # The plan, the region(s), the options and the corpus layout, before torchrun starts.
     preflight(cfg, nproc, [r.region for r in parse_regions(regions_spec)] if regions_spec is not None else ())
+    progress = TrainProgress(cfg.out, cfg.steps).start()  # step, loss, samples/s, data wait, from the step logs
+    click.get_current_context().call_on_close(progress.close)
     if regions_spec is not None:
         regions = parse_regions(regions_spec)
         plan = load_plan(cfg.plan)
@@ -44,6 +47,7 @@ def train(nproc: int, regions_spec: str | None, max_restarts: int, **kwargs: Any
         code = launch_regions(cfg, regions, max_restarts)
     else:
         code = launch(cfg, nproc, max_restarts)
+    progress.close()
     if code != 0:
         raise launch_failure(cfg.out, code)
     click.echo(render_report(build_report(cfg.out, cfg.budget)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -459,6 +460,13 @@ def test_report_after_resume_covers_the_whole_run(corpus_plan: Path, tmp_path: P
     hits = sum(t["hits"] for t in report["tiers"].values())
     assert hits >= sum(len(json.loads((out / f"rank{r}.json").read_text())["earlier_segments"]) for r in range(2)) > 0
     assert "60 steps (1..60) in 2 segments (resumed or restarted; all of them counted)" in second.stdout
+    # 4. progress while training: without a terminal, a line every few seconds (the resume's own steps only)
+    for r, total, low in ((first, 40, 1), (second, 60, 41)):
+        lines = [
+            m.groups() for m in re.finditer(rf"^step (\d+)/{total}  loss \S+  ([\d,]+) samples/s  data wait ([\d.]+)%$", r.stdout, re.M)
+        ]
+        assert lines, r.stdout
+        assert all(low <= int(step) <= total and int(rate.replace(",", "")) > 0 for step, rate, _ in lines), lines
 
 
 # --- 3. errors before launch, and a failed rank's own line once, with its code ---------------------
@@ -512,3 +520,44 @@ def test_a_failed_rank_is_one_line_once_with_its_exit_code(corpus_plan: Path, tm
     assert r.returncode == 0, r.stderr[-3000:]
     r = run("train", "--plan", corpus_plan, *TRAIN, "--steps", "4", "--resume", "--out", one)
     _one_line(r, 2, "geoshard: error: rank ", "loader state does not fit this loader: region_size is 1 there, 2 here")
+
+
+def _on_a_terminal(*args: object, cwd: Path) -> str:
+    """``geoshard ARGS`` with stdout and stderr on a pseudo-terminal: everything it drew."""
+    import pty
+
+    main_fd, child_fd = pty.openpty()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("GEOSHARD_")} | {"TERM": "xterm", "COLUMNS": "160"}
+    proc = subprocess.Popen([GEOSHARD, *(str(a) for a in args)], stdout=child_fd, stderr=child_fd, cwd=cwd, env=environ)
+    os.close(child_fd)
+    chunks = []
+    while True:
+        try:
+            data = os.read(main_fd, 1 << 16)
+        except OSError:  # EIO: the child side closed
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=300) == 0, b"".join(chunks)[-3000:]
+    os.close(main_fd)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_split_progress_has_a_total_and_counts_during_a_task(tmp_path: Path) -> None:
+    from geoshard.plan import load_plan
+    from geoshard.sources import S3Access
+    from geoshard.split import SplitSettings, run_split
+
+    make_corpus(tmp_path / "corpus", samples=16000, sample_bytes=1000, shard_samples=8000)
+    plan = write_plan(tmp_path / "plan.toml", shard_bytes="4MB")
+    events: list[dict[str, Any]] = []
+    run_split([str(tmp_path / "corpus")], load_plan(plan), SplitSettings(out=tmp_path / "a", workers=1, s3=S3Access()), events.append)
+    size = sum(p.stat().st_size for p in (tmp_path / "corpus").iterdir())
+    assert events[0] == {"total_bytes": size}
+    first_done = next(i for i, e in enumerate(events) if "shards" in e)
+    assert any(e.get("samples", 0) > 0 for e in events[1:first_done]), events  # counted while the first task runs
+    assert sum(e.get("bytes", 0) for e in events) == size
+    drawn = _on_a_terminal("split", tmp_path / "corpus", "--plan", plan, "--out", tmp_path / "b", "--workers", "1", cwd=tmp_path)
+    frames = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", drawn)
+    assert re.search(r"split ━+ +\d+% [1-9][\d,]* samples", frames), frames[-2000:]  # a bar with a total, counting

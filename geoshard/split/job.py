@@ -148,6 +148,8 @@ def _run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, prog
                 )
                 for gid, g in work
             ]
+            if progress is not None:  # the bar's total, before the cluster starts
+                progress({"total_bytes": sum(ref.size for t in tasks for ref in t.sources)})
             results, timing = _run_tasks(tasks, settings, progress, _kept_keys(out, kept))
             manifest, regions = _manifests(plan, fmt, results, previous, settings, _kept_entries(out, previous, kept))
             publish(out, tmpdir, manifest, regions, {r.group: r.key_hashes for r in results})
