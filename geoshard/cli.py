@@ -199,18 +199,31 @@ def synth(out: Path, fmt: str, samples: int, sample_bytes: int, shard_samples: i
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-out"), show_default=True)
 @click.option("--samples", type=click.IntRange(min=1), default=20_000, show_default=True)
 @click.option("--workers", "--split-workers", "workers", type=click.IntRange(min=1), help="Dask workers (default: one per core).")
-@click.option("--steps", type=click.IntRange(min=1), default=900, show_default=True, help="Training steps (about a minute here).")
+@click.option("--steps", type=click.IntRange(min=1), help="Training steps (default 600, or 100 under the WAN rehearsal).")
 @click.option("--train/--no-train", default=True, help="--no-train: synthesize and split only.")
-def demo(out: Path, samples: int, workers: int | None, steps: int, train: bool) -> None:
+@click.option(
+    "--wan",
+    "wan",
+    default="auto",
+    show_default=True,
+    metavar="auto|off|MATRIX",
+    help="Train under the WAN rehearsal: auto (the demo's matrix when run as root), off, or a matrix file (TOML).",
+)
+def demo(out: Path, samples: int, workers: int | None, steps: int | None, train: bool, wan: str) -> None:
     """The main job on one machine: synthesize, split for three regions, sync to a local S3
-    server, train with 2 DDP ranks in one region through its tier chain, report the IO wait."""
+    server, train one DDP job across the three regions (one rank each), each reading its own
+    region's tier chain, and report the IO wait; as root, every packet between regions crosses
+    the WAN rehearsal's links."""
     from geoshard.cli_progress import split_progress, split_table
     from geoshard.cli_report import render_report
     from geoshard.demo import DemoSettings, run_demo
 
     quiet_dask()
     click.echo(f"geoshard demo: {samples:,} synthetic samples -> three regions under {out}/")
-    settings = DemoSettings(out=out, samples=samples, workers=workers, steps=steps, train=train)
+    matrix = _demo_matrix(wan, out) if train else None
+    if steps is None:
+        steps = 100 if matrix is not None else 600  # under the WAN each step waits for the ocean
+    settings = DemoSettings(out=out, samples=samples, workers=workers, steps=steps, train=train, wan=matrix)
     with split_progress() as progress:
         result = run_demo(settings, progress=progress.update, echo=click.echo)
     split_table(result.split)
@@ -219,6 +232,28 @@ def demo(out: Path, samples: int, workers: int | None, steps: int, train: bool) 
     timing = "  ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())
     click.echo(f"plan: {result.plan.path}   split: {out / 'split'}   run: {result.run_dir or '-'}")
     click.echo(f"stages: {timing}")
+
+
+def _demo_matrix(wan: str, out: Path) -> Path | None:
+    """The matrix the demo trains under: None for off (or auto without root)."""
+    from geoshard.demo import DEMO_WAN
+    from geoshard.wan import NeedsRootError, require_root
+
+    if wan == "off":
+        return None
+    if wan == "auto":
+        try:
+            require_root()
+        except NeedsRootError as e:
+            click.echo(f"WAN rehearsal off ({e}); the ranks' traffic between regions stays on loopback")
+            return None
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "wan.toml"
+        path.write_text(DEMO_WAN)
+        click.echo(f"running as root: training under the WAN rehearsal ({path}); --wan off to train on loopback")
+        return path
+    require_root()
+    return Path(wan)
 
 
 def _register() -> None:

@@ -1,16 +1,20 @@
-"""`geoshard demo` end to end, small: synthesize, split, a local S3 server, sync, one DDP job of
-3 ranks in three regions, each through its own region's tier chain (Alluxio down, so local
-replica and S3 serve), the report; then nothing it started is left running."""
+"""`geoshard demo` end to end, small, as a user runs it (a subprocess): synthesize, split, a local
+S3 server, sync, one DDP job of 3 ranks in three regions, each through its own region's tier chain
+(Alluxio down, so local replica and S3 serve), the report; as root under the WAN rehearsal (every
+packet between regions through its links); then nothing it started is left running."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
-from click.testing import CliRunner
+import pytest
 
-from geoshard.cli import main
+GEOSHARD = str(Path(sys.executable).with_name("geoshard"))
+REGIONS = {"us-east-1", "eu-west-1", "ap-southeast-1"}
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -25,22 +29,49 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def test_demo_runs_the_main_job_and_stops_everything(tmp_path: Path) -> None:
+def _namespaces_of(pid: int) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10, check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(f"geoshard-wan-{pid}-")]
+
+
+@pytest.mark.slow
+def test_demo_runs_the_main_job_across_three_regions_and_stops_everything(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    r = CliRunner().invoke(main, ["demo", "--out", str(out), "--samples", "3000", "--steps", "40"], catch_exceptions=False)
-    assert r.exit_code == 0, r.output
-    assert "IO wait:" in r.output and ("within budget" in r.output or "over budget" in r.output)
+    proc = subprocess.Popen(
+        [GEOSHARD, "demo", "--out", str(out), "--samples", "3000", "--steps", "20"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "Traceback" not in stdout + stderr
+    lines = stdout.splitlines()
+    assert lines[0] == f"geoshard demo: 3,000 synthetic samples -> three regions under {out}/"
+    wan = os.geteuid() == 0
+    if wan:
+        assert lines[1] == f"running as root: training under the WAN rehearsal ({out / 'wan.toml'}); --wan off to train on loopback"
+        assert any(line.startswith("WAN rehearsal: us-east-1, eu-west-1, ap-southeast-1 in their own network namespaces") for line in lines)
+        crossed = json.loads((out / "run" / "wan.json").read_text())
+        assert {(x["from"], x["to"]) for x in crossed["links"] if x["bytes"] > 0} == {(a, b) for a in REGIONS for b in REGIONS if a != b}
+    else:
+        assert lines[1].startswith("WAN rehearsal off (")
+    assert any(
+        line.startswith("training: one DDP job, 3 ranks (1 in us-east-1, 1 in eu-west-1, 1 in ap-southeast-1), 20 steps") for line in lines
+    )
+    assert "IO wait:" in stdout and ("within budget" in stdout or "over budget" in stdout)
+    assert "regions" in [line.strip() for line in lines] and "across regions: data 0 B (goal 0)" in stdout
     report = json.loads((out / "run" / "report.json").read_text())
-    assert report["steps"] == 40 and len(report["ranks"]) == 3 and 0 <= report["io_wait_share"] <= 1
-    assert set(report["regions"]) == {"us-east-1", "eu-west-1", "ap-southeast-1"}
+    assert report["steps"] == 20 and len(report["ranks"]) == 3 and 0 <= report["io_wait_share"] <= 1
+    assert set(report["regions"]) == REGIONS
     assert report["cross_region_data_bytes"] == 0 and report["cross_region_grad_bytes"] > 0 and report["sync"] == "hierarchical"
     tiers = report["tiers"]
-    for region in report["regions"]:
-        assert tiers[f"alluxio:{region}"]["errors"] >= 1 and tiers[f"alluxio:{region}"]["hits"] == 0, (
-            "Alluxio is down: the chain falls back"
-        )
-        assert tiers[f"s3:{region}"]["hits"] >= 1, "the cold replica is filled from the region's bucket"
+    for region in REGIONS:
+        alluxio = tiers[f"alluxio:{region}"]
+        assert alluxio["errors"] >= 1 and alluxio["hits"] == 0, "Alluxio is down: the chain falls back"
+        assert tiers[f"s3:{region}"]["hits"] >= 1, "the cold replica is filled from the region's own bucket"
         assert any((out / "replica" / region).glob("*.tar")), "write-back filled the local replica"
-    assert "regions" in r.output and "across regions: data 0 B (goal 0)" in r.output
     assert _processes_mentioning(str(out / "s3")) == [], "the S3 server is stopped"
-    assert _processes_mentioning(str(out / "plan.toml")) == [], "no rank is left"
+    assert _processes_mentioning(str(out / "plan")) == [], "no rank is left"
+    assert _namespaces_of(proc.pid) == [], "the rehearsal's namespaces are removed"
