@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from geoshard.errors import GeoshardError
+from geoshard.errors import ConfigError, GeoshardError
 from geoshard.trainer.options import config_from, train_options
 
 
@@ -24,8 +24,14 @@ class TrainingFailed(GeoshardError):
     "regions_spec",
     help="One job across regions on this machine: ranks per region, e.g. us-east-1:2,eu-west-1:1 (one torchrun agent per region).",
 )
+@click.option(
+    "--wan",
+    "wan_matrix",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="With --regions: run each region in its own network namespace behind this latency/bandwidth matrix (TOML; root).",
+)
 @click.option("--max-restarts", default=0, show_default=True, type=click.IntRange(min=0), help="torchrun restarts after a failure.")
-def train(nproc: int, regions_spec: str | None, max_restarts: int, **kwargs: Any) -> None:
+def train(nproc: int, regions_spec: str | None, wan_matrix: Path | None, max_restarts: int, **kwargs: Any) -> None:
     """Train with torchrun on this node and print the IO-wait report."""
     from geoshard.cli_progress import TrainProgress
     from geoshard.cli_report import render_report
@@ -44,7 +50,14 @@ def train(nproc: int, regions_spec: str | None, max_restarts: int, **kwargs: Any
         plan = load_plan(cfg.plan)
         for r in regions:
             plan.region(r.region)  # an unknown region: one line naming the plan's regions, before launch
-        code = launch_regions(cfg, regions, max_restarts)
+        if wan_matrix is not None:
+            from geoshard.wan.launch import launch_under_wan
+
+            code = launch_under_wan(cfg, regions, max_restarts, wan_matrix, click.echo)
+        else:
+            code = launch_regions(cfg, regions, max_restarts)
+    elif wan_matrix is not None:
+        raise ConfigError("--wan needs --regions (the ranks per region to put in each region's namespace)")
     else:
         code = launch(cfg, nproc, max_restarts)
     progress.close()
