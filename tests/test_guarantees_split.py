@@ -142,18 +142,35 @@ BAD: dict[str, tuple[str, Callable[[], bytes], str]] = {
 }
 
 
+def _worker_logs(base: Path) -> dict[Path, int]:
+    """The real cluster's worker logs (tests/test_dask_cluster.py writes them) and their sizes."""
+    return {p: p.stat().st_size for p in base.glob("dask-logs*/worker*.log")}
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_input_in_a_task_is_one_line_on_a_real_cluster(tmp_path: Path, cluster: str, case: str) -> None:  # noqa: F811
+def test_bad_input_in_a_task_is_one_line_on_a_real_cluster(
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    cluster: str,  # noqa: F811
+    case: str,
+) -> None:
     name, make, words = BAD[case]
     src = tmp_path / "src"
     src.mkdir()
     (src / name).write_bytes(make())
     write_plan(tmp_path / "plan.toml", shard_bytes="64KB")
     before = snapshot(tmp_path, skip=tmp_path / "out")
+    logs = _worker_logs(tmp_path_factory.getbasetemp())
+    assert logs, "the cluster fixture's worker logs were not found"
     r = _split(tmp_path, src, "--scheduler", cluster)
     assert_one_line(r, 1, f"{src / name}: ", words)
     assert published(tmp_path / "out") == []
     assert snapshot(tmp_path, skip=tmp_path / "out") == before
+    for log, size in logs.items():  # the workers logged no traceback either
+        with open(log, "rb") as f:
+            f.seek(size)
+            new = f.read().decode(errors="replace")
+        assert "Compute Failed" not in new and "DataError" not in new, new[-2000:]
 
 
 @pytest.mark.parametrize("case", ["orphan-member", "duplicate-key", "huge-tfrecord-length", "gnu-2-60-member"])
