@@ -1,4 +1,5 @@
-"""Byte sizes as users write them in plans and options ("64MB", "512KiB", 1048576)."""
+"""Byte sizes and durations as users write them in plans and options ("64MB", "512KiB", 1048576;
+"80ms", "1.5s", 0.08)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,18 @@ def parse_size(value: object) -> int:
         if m and m.group(2).upper() in _UNITS:
             return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
     raise ValueError(f"expected a size like 64MB, 512KiB or a byte count, got {value!r}")
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|)\s*$")
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from ``80ms``, ``1.5s`` or a plain number of seconds; ValueError naming the forms."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    if isinstance(value, str) and (m := _DURATION.match(value)):
+        return float(m.group(1)) / (1000 if m.group(2) == "ms" else 1)
+    raise ValueError(f"expected a duration like 80ms, 1.5s or a number of seconds, got {value!r}")
 
 
 def human_bytes(n: float) -> str:

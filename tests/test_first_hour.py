@@ -63,6 +63,8 @@ def _env_value(option: click.Option, tmp: Path) -> tuple[str, Any]:
     if isinstance(t, click.Choice):
         choice = next(c for c in reversed(t.choices) if c != option.default)
         return str(choice), choice
+    if t.name == "DURATION":
+        return "80ms", 0.08
     if isinstance(t, click.Path):
         p = tmp / "plan.toml" if t.exists else tmp / f"new-{option.name}"
         return str(p), p
@@ -561,3 +563,75 @@ def test_split_progress_has_a_total_and_counts_during_a_task(tmp_path: Path) -> 
     drawn = _on_a_terminal("split", tmp_path / "corpus", "--plan", plan, "--out", tmp_path / "b", "--workers", "1", cwd=tmp_path)
     frames = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", drawn)
     assert re.search(r"split ━+ +\d+% [1-9][\d,]* samples", frames), frames[-2000:]  # a bar with a total, counting
+
+
+# --- 2. your own data and your own loop: data-only mode, and the step log from your loop --------------
+
+
+@pytest.fixture(scope="module")
+def jpg_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An ordinary WebDataset (``.jpg`` and ``.txt``), split for eu-west-1 into a local folder."""
+    from splitkit import tar_bytes
+
+    tmp = tmp_path_factory.mktemp("jpgtxt")
+    (tmp / "corpus").mkdir()
+    for t in range(3):
+        members = []
+        for i in range(200):
+            key = f"img{t:02d}{i:04d}".encode()
+            members += [(key + b".jpg", os.urandom(2000)), (key + b".txt", b"a caption")]
+        (tmp / "corpus" / f"part-{t}.tar").write_bytes(tar_bytes(members))
+    plan = tmp / "plan.toml"
+    plan.write_text(f'[shards]\nbytes = "256KB"\n[regions.eu-west-1]\nweight = 1\nlocal = "{tmp / "split" / "eu-west-1"}"\n')
+    r = run("split", tmp / "corpus", "--plan", plan, "--out", tmp / "split", "--workers", "1")
+    assert r.returncode == 0, r.stderr
+    return plan
+
+
+@pytest.mark.slow
+def test_data_only_mode_reports_the_io_wait_of_your_own_data(jpg_plan: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    r = run("train", "--plan", jpg_plan, *TRAIN, "--steps", "10", "--out", out)
+    _one_line(r, 2, "region eu-west-1: its samples have jpg, txt; the built-in model needs img and cls", "--model none --step-time 80ms")
+    r = run("train", "--plan", jpg_plan, *TRAIN, "--steps", "10", "--model", "none", "--step-time", "80ms", "--out", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert (report["steps"], report["samples"]) == (10, 2 * 10 * 16)
+    assert all(x["compute_s"] >= 10 * 0.08 for x in report["ranks"])  # the stated compute, each step
+    assert report["loss_first"] is None
+    assert re.search(r"^IO wait: [\d.]+% of training time, budget 5\.0%: (within|over) budget$", r.stdout, re.M), r.stdout
+    assert "2 rank(s) in eu-west-1, 10 steps (1..10), 320 samples" in r.stdout
+
+
+_OWN_LOOP = """
+import sys, time
+from geoshard.loaders import make_loader
+from geoshard.trainer.steplog import StepLog
+
+plan, run_dir = sys.argv[1], sys.argv[2]
+loader = make_loader(plan, region="eu-west-1", batch_size=16, num_workers=1, seed=0)
+with StepLog(run_dir, loader) as steps:
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for batch in steps:
+            time.sleep(0.005)  # the user's forward, backward and optimizer step
+            steps.note(loss=1.0 / (steps.step + 1))
+print(steps.step, steps.samples)
+"""
+
+
+def test_step_log_from_your_own_loop_is_what_geoshard_report_reads(jpg_plan: Path, tmp_path: Path) -> None:
+    out = tmp_path / "mine"
+    p = subprocess.run([sys.executable, "-P", "-c", _OWN_LOOP, jpg_plan, out], capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    steps, samples = map(int, p.stdout.split())
+    assert steps == 2 * -(-600 // 16) and samples == 2 * 600  # two epochs of the region's 600 samples
+    r = run("report", out, "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert (report["steps"], report["samples"], report["complete"]) == (steps, samples, True)
+    b = report["breakdown"]
+    parts = b["data_wait"]["seconds"] + b["compute"]["seconds"] + b["checkpoint"]["seconds"] + b["other"]["seconds"]
+    assert parts == pytest.approx(b["wall"]["seconds"], abs=1e-3) and b["compute"]["seconds"] >= steps * 0.005
+    assert report["io_wait_share"] == pytest.approx(b["data_wait"]["seconds"] / b["wall"]["seconds"], abs=1e-5)
+    assert report["tiers"]["local:eu-west-1"]["hits"] > 0  # the loader's own counters came along

@@ -16,6 +16,7 @@ from geoshard.errors import ConfigError
 BACKENDS = ("auto", "gloo", "nccl")
 COMPRESSIONS = ("none", "fp16")
 SYNCS = ("auto", "flat", "hierarchical")
+MODELS = ("mlp", "none")  # none: no model, the data path alone (a stated compute time per step)
 NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "NVLS", "NVLSTree", "PAT")
 
 
@@ -49,6 +50,8 @@ class TrainConfig:
     log_keys: bool = False  # every step's sample keys into keys-rank{R}.jsonl (for audits and tests)
     allow_cross_region: bool = True
     collective_timeout: int = 600  # seconds a collective may wait for a peer before the rank fails
+    model: str = "mlp"  # the built-in MLP (WebDataset img/cls samples), or "none": any layout, data only
+    step_time: float = 0.0  # seconds of simulated compute per step (with model "none": the whole step)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "accum_steps", "checkpoint_every", "checkpoint_keep", "hidden", "collective_timeout"):
@@ -66,6 +69,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+        if self.model not in MODELS:
+            raise ConfigError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if not 0 <= self.step_time < 3600:
+            raise ConfigError(f"--step-time must be at least 0 and under an hour, got {self.step_time}")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be above 0, got {self.lr}")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:

@@ -28,7 +28,7 @@ from geoshard.trainer.comm import CommState, hierarchical_hook, resolve_sync, ti
 from geoshard.trainer.config import TrainConfig
 from geoshard.trainer.context import RankContext
 from geoshard.trainer.metrics import Metrics
-from geoshard.trainer.model import Net, collate, to_tensors
+from geoshard.trainer.model import Net, collate, count_collate, to_tensors
 from geoshard.trainer.record import StepRecord
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -140,7 +140,7 @@ def _train(cfg: TrainConfig, ctx: RankContext) -> dict[str, Any]:
         topology=ctx.topology,
         batch_size=cfg.batch_size,
         num_workers=cfg.num_workers,
-        collate_fn=collate,
+        collate_fn=collate if cfg.model != "none" else count_collate,
         seed=cfg.seed,
         prefetch=cfg.prefetch,
         shuffle_buffer=cfg.shuffle_buffer,
@@ -263,13 +263,19 @@ def _loop(run: Run, step: int) -> dict[str, Any]:
             wait += t1 - t0
             if first_batch is None:
                 first_batch = t1 - t_loop
-            x, y = to_tensors(batch, ctx.device)
-            loss_sum += forward_backward(run.ddp, x, y, cfg.accum_steps, last=micro == cfg.accum_steps - 1)
-            n += len(y)
+            if cfg.model == "none":  # the data path alone: the batch is consumed, --step-time is the compute
+                n += batch["n"]
+            else:
+                x, y = to_tensors(batch, ctx.device)
+                loss_sum += forward_backward(run.ddp, x, y, cfg.accum_steps, last=micro == cfg.accum_steps - 1)
+                n += len(y)
             keys += batch["keys"]
             compute += clock() - t1
         t2 = clock()
-        run.opt.step()
+        if cfg.model != "none":
+            run.opt.step()
+        if cfg.step_time:
+            time.sleep(cfg.step_time)  # stated compute: no model, or a larger one than the built-in MLP
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         compute += clock() - t2
@@ -294,7 +300,7 @@ def _loop(run: Run, step: int) -> dict[str, Any]:
             comm_cross_s=cross_s,
             checkpoint_s=ckpt,
             cross_region_grad_bytes=cross_bytes,
-            loss=loss_sum,
+            loss=loss_sum if cfg.model != "none" else None,
             samples=n,
             region=ctx.region,
             segment=run.segment,

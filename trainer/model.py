@@ -41,6 +41,11 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     return {"x": x, "y": y, "keys": [s["__key__"] for s in samples]}
 
 
+def count_collate(samples: list[Any]) -> dict[str, Any]:
+    """``--model none``: any layout (WebDataset dicts, TFRecord records); only counted and keyed."""
+    return {"n": len(samples), "keys": [s.get("__key__") if isinstance(s, dict) else None for s in samples]}
+
+
 def to_tensors(batch: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs scaled to [0, 1] and labels, on ``device``."""
     x = torch.from_numpy(batch["x"]).to(device, non_blocking=True).float().div_(255.0)

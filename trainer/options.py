@@ -7,9 +7,22 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
-from geoshard.trainer.config import BACKENDS, COMPRESSIONS, NCCL_ALGOS, SYNCS, TrainConfig
+from geoshard.trainer.config import BACKENDS, COMPRESSIONS, MODELS, NCCL_ALGOS, SYNCS, TrainConfig
+
+from geoshard.units import parse_duration
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _Duration(click.ParamType):
+    name = "DURATION"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            return parse_duration(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
 
 _OPTIONS = [
     click.option("--plan", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Region plan (TOML)."),
@@ -47,6 +60,19 @@ _OPTIONS = [
     click.option("--allow-cross-region/--no-allow-cross-region", default=True, help="Read other regions' buckets as a last resort."),
     click.option(
         "--collective-timeout", default=600, show_default=True, type=int, help="Seconds a collective waits for a peer before failing."
+    ),
+    click.option(
+        "--model",
+        type=click.Choice(MODELS),
+        default="mlp",
+        show_default=True,
+        help="mlp: the built-in model (WebDataset img/cls samples); none: no model, your data's IO wait alone (any layout).",
+    ),
+    click.option(
+        "--step-time",
+        type=_Duration(),
+        default="0",
+        help="Compute time per step to simulate, e.g. 80ms (with --model none: the whole step's compute).",
     ),
 ]
 

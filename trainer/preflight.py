@@ -25,7 +25,7 @@ def preflight(cfg: TrainConfig, nproc: int, regions: Sequence[str] = (), *, chec
         plan.region(name)  # an unknown region: one line naming the plan's regions
     if cfg.metrics_port is not None and cfg.metrics_port + nproc - 1 > 65535:
         raise ConfigError(f"--metrics-port {cfg.metrics_port}: rank {nproc - 1} would serve on {cfg.metrics_port + nproc - 1}, past 65535")
-    if check_layout:
+    if check_layout and cfg.model != "none":  # --model none reads any layout
         for name in names:
             model_layout(plan, name)
     return names
@@ -61,6 +61,4 @@ def model_layout(plan: Plan, region: str) -> None:
     missing = [f for f in MODEL_FIELDS if f not in sample]
     if missing:
         fields = ", ".join(sorted(k for k in sample if not k.startswith("__")))
-        raise ConfigError(
-            f"region {region}: its samples have {fields}; the built-in model needs {' and '.join(MODEL_FIELDS)}; {hint}"
-        )
+        raise ConfigError(f"region {region}: its samples have {fields}; the built-in model needs {' and '.join(MODEL_FIELDS)}; {hint}")
