@@ -302,3 +302,72 @@ def _last_step(out: Path, region: str) -> int:
                     if rec.get("region") == region:
                         best = max(best, int(rec["step"]))
     return best
+
+
+# -- under the WAN rehearsal ------------------------------------------------------------------------
+
+
+def test_wan_without_regions_is_one_line(tmp_path: Path) -> None:
+    plan = two_region_plan(tmp_path, samples=600)
+    (tmp_path / "m.toml").write_text('[[link]]\na = "us-east-1"\nb = "eu-west-1"\nlatency_ms = 10\n')
+    done = subprocess.run(
+        [
+            GEOSHARD,
+            "train",
+            "--plan",
+            str(plan),
+            "--region",
+            US,
+            "--steps",
+            "2",
+            "--out",
+            str(tmp_path / "run"),
+            "--wan",
+            str(tmp_path / "m.toml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "geoshard: error: --wan needs --regions (the ranks per region to put in each region's namespace)"
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="the WAN rehearsal needs root (CAP_NET_ADMIN)")
+def test_geoshard_train_under_the_wan_rehearsal_keeps_data_in_region_and_pays_the_round_trips(aws: SeaweedS3, tmp_path: Path) -> None:
+    plan = bucket_plan(tmp_path, aws, samples=1500)
+    matrix = tmp_path / "wan.toml"
+    links = ((US, EU, 38), (US, AP, 110), (EU, AP, 85))
+    matrix.write_text("".join(f'[[link]]\na = "{a}"\nb = "{b}"\nlatency_ms = {ms}\nbandwidth_mbit = 200\n\n' for a, b, ms in links))
+    out = tmp_path / "run"
+    steps = 6
+    done = subprocess.run(
+        geoshard_train(plan, out, f"{US}:1,{EU}:1,{AP}:1", "--steps", steps, "--hidden", 64, "--wan", matrix),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"WAN rehearsal: {US}, {EU}, {AP} in their own network namespaces behind {matrix}; forwarder ceiling: ")
+    assert any(line.startswith("WAN rehearsal: ") and "MB crossed between regions" in line for line in lines)
+    # Each region's bucket is served from its own namespace's address.
+    wan_plan = (out / "plan-wan.toml").read_text()
+    assert wan_plan.count('endpoint = "http://198.18.') == 3 and "127.0.0.1" not in wan_plan.replace("alluxio", "")
+    report = json.loads((out / "report.json").read_text())
+    assert report["cross_region_data_bytes"] == 0 and report["steps"] == steps and report["sync"] == "hierarchical"
+    # The leaders' all-reduce crosses links of 76-220 ms round trip: a ring of 3 takes 4 sequential
+    # exchanges, so each step's cross-region hop takes well over one 38 ms one-way delay.
+    assert report["grad_sync_cross_s_per_step"] > 0.076, report["grad_sync_cross_s_per_step"]
+    crossed = json.loads((out / "wan.json").read_text())
+    assert all(x["bytes"] > 0 for x in crossed["links"]) and len(crossed["links"]) == 6
+    from geoshard.wan import netns
+
+    left = [n for n in netns.list_namespaces() if not netns.pid_alive(netns.owner_of(n) or 0)]
+    assert left == [], "the rehearsal's namespaces outlived their launcher"
