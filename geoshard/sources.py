@@ -121,6 +121,7 @@ def expand_sources(args: Sequence[str], fmt: Format | None = None, s3: S3Access 
 
 def _expand_local(pattern: str, fmt: Format | None) -> list[SourceRef]:
     if _GLOB.search(pattern):
+        _check_listable(pattern)
         paths = sorted(glob.glob(pattern, recursive=True))
         paths = [p for p in paths if os.path.isfile(p)]
     elif os.path.isdir(pattern):
@@ -137,17 +138,33 @@ def _expand_local(pattern: str, fmt: Format | None) -> list[SourceRef]:
     return out
 
 
+def _check_listable(pattern: str) -> None:
+    """glob skips folders it cannot list without a word; refuse them instead, down to the depth
+    the pattern can reach (every depth with ``**``)."""
+    parts = pattern.split(os.sep)
+    fixed = next(i for i, p in enumerate(parts) if _GLOB.search(p))
+    base = os.sep.join(parts[:fixed]) or ("/" if pattern.startswith(os.sep) else ".")
+    depth = None if "**" in parts[fixed:] else len(parts) - fixed - 1
+    if not os.path.isdir(base):
+        return
+    for top, dirs, _ in os.walk(base, onerror=_refuse):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        if depth is not None and top.count(os.sep) - base.rstrip(os.sep).count(os.sep) >= depth:
+            dirs[:] = []
+
+
+def _refuse(e: OSError) -> None:
+    raise DataError(f"{e.filename}: cannot list source folder ({e.strerror}); fix its permissions or leave it out of SOURCE")
+
+
 def _walk(folder: str) -> list[str]:
     """The shards under a folder; manifests and hidden temp files are not inputs.
 
     A subfolder that cannot be listed is an error, not a silent gap: skipping it would publish
     part of the corpus as if it were the whole."""
 
-    def refuse(e: OSError) -> None:
-        raise DataError(f"{e.filename}: cannot list source folder ({e.strerror}); fix its permissions or leave it out of SOURCE")
-
     found = []
-    for top, dirs, files in os.walk(folder, onerror=refuse):
+    for top, dirs, files in os.walk(folder, onerror=_refuse):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         found += [os.path.join(top, f) for f in files if not f.startswith(".") and format_of_name(f)]
     return sorted(p for p in found if os.path.isfile(p))
