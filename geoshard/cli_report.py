@@ -206,8 +206,9 @@ def _tiers_table(r: Mapping[str, Any]) -> Table:
         )
     caption = [f"{r['writebacks']:,} write-backs to the local replica"]
     if r["dropped_samples"]:
-        caption.append(f"{r['dropped_samples']:,} samples dropped")
-    table.caption = ", ".join(caption)
+        n = r["dropped_samples"]
+        caption.append(f"{n:,} sample{'s' if n != 1 else ''} left out per epoch (a different block each epoch)")
+    table.caption = Text(", ".join(caption), no_wrap=True, overflow="ignore")  # one line, never folded
     table.caption_justify = "left"
     return table
 

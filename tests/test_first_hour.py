@@ -635,3 +635,16 @@ def test_step_log_from_your_own_loop_is_what_geoshard_report_reads(jpg_plan: Pat
     assert parts == pytest.approx(b["wall"]["seconds"], abs=1e-3) and b["compute"]["seconds"] >= steps * 0.005
     assert report["io_wait_share"] == pytest.approx(b["data_wait"]["seconds"] / b["wall"]["seconds"], abs=1e-5)
     assert report["tiers"]["local:eu-west-1"]["hits"] > 0  # the loader's own counters came along
+
+
+def test_samples_left_out_are_per_epoch_not_summed_over_ranks(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run")
+    for rank in range(2):  # each rank's loader reports its region's figure: 1 sample per epoch over both ranks
+        p = run_dir / f"rank{rank}.json"
+        doc = json.loads(p.read_text())
+        doc["loader"]["dropped_samples"] = 1
+        p.write_text(json.dumps(doc))
+    r = run("report", run_dir)
+    assert r.returncode == 0, r.stderr
+    assert "1 sample left out per epoch (a different block each epoch)" in r.stdout and "samples dropped" not in r.stdout
+    assert json.loads((run_dir / "report.json").read_text())["dropped_samples"] == 1

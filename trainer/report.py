@@ -89,8 +89,9 @@ def build_report(run_dir: str | Path, budget: float = DEFAULT_BUDGET) -> dict[st
     ``io_wait_share`` (data wait over loop wall time, summed over ranks) against ``budget`` gives
     ``within_budget`` and ``verdict``; ``breakdown`` splits the wall time into the disjoint
     data_wait, compute, checkpoint and other (``comm`` is part of compute); ``ranks`` has the same
-    per rank; ``tiers``, ``egress_bytes``, ``writebacks`` and ``dropped_samples`` sum the loader's
-    stats. Shares are 0..1, times in seconds.
+    per rank; ``tiers``, ``egress_bytes`` and ``writebacks`` sum the loader's stats;
+    ``dropped_samples`` is what each epoch leaves out (per epoch, over the job; a different block
+    every epoch, so no sample is lost for good). Shares are 0..1, times in seconds.
     """
     return summarize(read_run(run_dir), check_budget(budget), run_dir=str(run_dir))
 
@@ -125,6 +126,7 @@ def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> 
     first_batch = [r["time_to_first_batch_s"] for r in ranks if r["time_to_first_batch_s"] is not None]
     steps = [r.steps for r in runs.values() if r.steps]
     loader = _merge_loader(_all_summaries(summaries))
+    loader["dropped_samples"] = _left_out_per_epoch(summaries)
     return {
         "run_dir": run_dir,
         "io_wait_share": share,
@@ -182,6 +184,17 @@ def _regions(runs: Mapping[int, RankRun], ranks: list[dict[str, Any]]) -> dict[s
             "repeated_per_epoch": first.get("repeated_per_epoch"),
         }
     return out
+
+
+def _left_out_per_epoch(summaries: Iterable[Mapping[str, Any]]) -> int:
+    """Samples an epoch leaves out, over the job. Each rank's loader reports its region's figure
+    (per epoch, over the region's ranks), so it is taken once per region, not summed over ranks."""
+    per_region: dict[Any, int] = {}
+    for s in summaries:
+        n = (s.get("loader") or {}).get("dropped_samples", 0)
+        if _is_int(n):
+            per_region[s.get("region")] = max(per_region.get(s.get("region"), 0), n)
+    return sum(per_region.values())
 
 
 def _cross_region(runs: Mapping[int, RankRun], loader: Mapping[str, Any]) -> dict[str, Any]:
