@@ -158,7 +158,7 @@ def _sync_and_train(settings: DemoSettings, result: DemoResult, echo: Echo) -> N
     try:
         server.start()
         seconds["s3_start"] = time.monotonic() - t0
-        echo(f"local S3 server (SeaweedFS) on {server.endpoint}, data in {server.root}")
+        echo(f"local S3 server (SeaweedFS) on {server.endpoint}, data in {out / 's3'}")  # as the user named it, not resolved
         text = storage_plan(DEMO_PLAN, server.endpoint, closed_port(), replicas)
         plan_path = out / "plan.toml"
         plan_path.write_text(text)
