@@ -3,10 +3,12 @@
 Every shard carries two digests in its manifest:
 
 - ``sha256``: cryptographic, the name's content hash, what a user checks a shard against;
-- ``xxh3_128``: xxHash's XXH3 with 128 bits, not cryptographic but ~10x faster than sha256 here
-  (~8 GB/s per core against ~1.5-2 GB/s; measured by ``bench/loader_bench.py``). Reads verify
-  with it by default: it catches every accidental corruption (truncation, bit flips, crossed
-  responses) at memory speed; ``verify="sha256"`` stays for a check against tampering.
+- ``xxh3_128``: xxHash's XXH3 with 128 bits, not cryptographic but ~15-20x faster than sha256
+  here (~20-30 GB/s per core against ~1.5-1.8 GB/s; ``bench/loader_bench.py`` measures both).
+  Reads verify with it by default: it catches accidental damage (truncation, bit flips, crossed
+  responses) at memory speed; ``verify="sha256"`` stays for a check against tampering. (blake3
+  would be cryptographic, but ~3-5x slower than XXH3 per core, and its parallel speed needs the
+  cores the loader's workers use.)
 
 Both ``update`` calls release the GIL on large buffers, so threads hash in parallel with the
 consumer. Manifests written before the fast hash existed have no ``xxh3_128``; readers then fall
