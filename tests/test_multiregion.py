@@ -371,3 +371,19 @@ def test_geoshard_train_under_the_wan_rehearsal_keeps_data_in_region_and_pays_th
 
     left = [n for n in netns.list_namespaces() if not netns.pid_alive(netns.owner_of(n) or 0)]
     assert left == [], "the rehearsal's namespaces outlived their launcher"
+
+
+def test_persistent_workers_are_refused_because_each_epoch_starts_its_own_workers(tmp_path: Path) -> None:
+    from geoshard.loaders import RegionalLoader
+
+    from geoshard.errors import ConfigError
+
+    plan = two_region_plan(tmp_path, samples=600)
+    ds = RegionalDataset(plan, region=EU, batch_size=8)
+    with pytest.raises(ConfigError, match="persistent_workers is not supported"):
+        RegionalLoader(ds, num_workers=2, persistent_workers=True)
+    loader = RegionalLoader(ds, num_workers=2)
+    first = [k for b in loader for k in b["__key__"]]
+    loader.set_epoch(1)
+    second = [k for b in loader for k in b["__key__"]]
+    assert sorted(first) == sorted(second) and first != second, "each epoch's workers start at that epoch"
