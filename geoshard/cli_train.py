@@ -31,7 +31,8 @@ class TrainingFailed(GeoshardError):
     help="With --regions: run each region in its own network namespace behind this latency/bandwidth matrix (TOML; root).",
 )
 @click.option("--max-restarts", default=0, show_default=True, type=click.IntRange(min=0), help="torchrun restarts after a failure.")
-def train(nproc: int, regions_spec: str | None, wan_matrix: Path | None, max_restarts: int, **kwargs: Any) -> None:
+@click.option("--overwrite", is_flag=True, help="Start over in an --out that holds an earlier run (without --resume it is refused).")
+def train(nproc: int, regions_spec: str | None, wan_matrix: Path | None, max_restarts: int, overwrite: bool, **kwargs: Any) -> None:
     """Train with torchrun on this node and print the IO-wait report."""
     from geoshard.cli_progress import TrainProgress
     from geoshard.cli_report import render_report
@@ -42,7 +43,7 @@ def train(nproc: int, regions_spec: str | None, wan_matrix: Path | None, max_res
 
     cfg = config_from(**kwargs)
     # The plan, the region(s), the options and the corpus layout, before torchrun starts.
-    preflight(cfg, nproc, [r.region for r in parse_regions(regions_spec)] if regions_spec is not None else ())
+    preflight(cfg, nproc, [r.region for r in parse_regions(regions_spec)] if regions_spec is not None else (), overwrite=overwrite)
     progress = TrainProgress(cfg.out, cfg.steps).start()  # step, loss, samples/s, data wait, from the step logs
     click.get_current_context().call_on_close(progress.close)
     if regions_spec is not None:

@@ -462,6 +462,11 @@ def test_report_after_resume_covers_the_whole_run(corpus_plan: Path, tmp_path: P
     hits = sum(t["hits"] for t in report["tiers"].values())
     assert hits >= sum(len(json.loads((out / f"rank{r}.json").read_text())["earlier_segments"]) for r in range(2)) > 0
     assert "60 steps (1..60) in 2 segments (resumed or restarted; all of them counted)" in second.stdout
+    # 11. the same folder again without --resume is refused, and nothing in it changes
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    again = run("train", "--plan", corpus_plan, *TRAIN, "--steps", "60", "--out", out)
+    _one_line(again, 2, f"{out}: holds a training run (", "pass --resume to continue it, --overwrite to start it over")
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
     # 4. progress while training: without a terminal, a line every few seconds (the resume's own steps only)
     for r, total, low in ((first, 40, 1), (second, 60, 41)):
         lines = [

@@ -4,6 +4,7 @@ one line on stderr with its exit code, not a rank's traceback inside 100 lines o
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from geoshard.trainer.config import TrainConfig
@@ -12,13 +13,23 @@ from geoshard.env import read_environment
 from geoshard.errors import ConfigError
 from geoshard.plan import Plan, load_plan
 
+_RUN_FILE = re.compile(r"^(steps-rank\d+\.jsonl|rank\d+\.json|report\.json)$")
 # What the built-in model reads from each sample (geoshard.trainer.model.collate).
 MODEL_FIELDS = ("img", "cls")
 
 
-def preflight(cfg: TrainConfig, nproc: int, regions: Sequence[str] = (), *, check_layout: bool = True) -> list[str]:
+def preflight(
+    cfg: TrainConfig, nproc: int, regions: Sequence[str] = (), *, check_layout: bool = True, overwrite: bool = False
+) -> list[str]:
     """The regions the job reads (``regions`` of ``--regions``, else the node's region); raises
     ConfigError naming what to change."""
+    if not cfg.resume and not overwrite:
+        earlier = sorted(p.name for p in cfg.out.glob("*") if _RUN_FILE.match(p.name)) if cfg.out.is_dir() else []
+        if earlier:
+            raise ConfigError(
+                f"{cfg.out}: holds a training run ({', '.join(earlier[:3])}{', ...' if len(earlier) > 3 else ''}); "
+                "pass --resume to continue it, --overwrite to start it over, or choose another --out"
+            )
     plan = load_plan(cfg.plan)
     names = list(regions) or [node_region(cfg.region, plan)]
     for name in names:
