@@ -179,6 +179,13 @@ def geoshard_train(plan: Path, out: Path, regions: str, *args: object) -> list[s
     return [GEOSHARD, "train", "--plan", str(plan), "--regions", regions, "--out", str(out), *map(str, TRAIN_FLAGS), *map(str, args)]
 
 
+def run_train(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``geoshard train`` to the end, as a user runs it; it must succeed."""
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=cwd, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
 def key_records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -188,15 +195,7 @@ def test_geoshard_train_across_three_regions_reads_only_region_local_data(aws: S
     plan = bucket_plan(tmp_path, aws)
     out = tmp_path / "run"
     steps = 30
-    done = subprocess.run(
-        geoshard_train(plan, out, f"{US}:2,{EU}:1,{AP}:1", "--steps", steps, "--hidden", 256, "--lr", 0.1),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_train(geoshard_train(plan, out, f"{US}:2,{EU}:1,{AP}:1", "--steps", steps, "--hidden", 256, "--lr", 0.1), tmp_path)
     assert "geoshard.trainer: 4 rank(s): " in done.stdout and "gradient sync hierarchical" in done.stdout
     assert "samples per rank and epoch; per epoch us-east-1 " in done.stdout
     report = json.loads((out / "report.json").read_text())
@@ -345,15 +344,7 @@ def test_geoshard_train_under_the_wan_rehearsal_keeps_data_in_region_and_pays_th
     matrix.write_text("".join(f'[[link]]\na = "{a}"\nb = "{b}"\nlatency_ms = {ms}\nbandwidth_mbit = 200\n\n' for a, b, ms in links))
     out = tmp_path / "run"
     steps = 6
-    done = subprocess.run(
-        geoshard_train(plan, out, f"{US}:1,{EU}:1,{AP}:1", "--steps", steps, "--hidden", 64, "--wan", matrix),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_train(geoshard_train(plan, out, f"{US}:1,{EU}:1,{AP}:1", "--steps", steps, "--hidden", 64, "--wan", matrix), tmp_path)
     lines = done.stdout.splitlines()
     assert lines[0].startswith(f"WAN rehearsal: {US}, {EU}, {AP} in their own network namespaces behind {matrix}; forwarder ceiling: ")
     assert any(line.startswith("WAN rehearsal: ") and "MB crossed between regions" in line for line in lines)
