@@ -221,6 +221,12 @@ def _egress_table(r: Mapping[str, Any]) -> Table:
     for key, n in r["egress_bytes"].items():
         source, _, reader = key.partition("->")
         table.add_row(source, reader, human_bytes(n))
+    budget, most = r.get("egress_budget_bytes"), r.get("egress_bytes_max_rank", 0)
+    if budget:
+        note = f"budget {human_bytes(budget)} per rank (egress.budget): the most one rank read is {human_bytes(most)}, {most / budget:.0%}"
+    else:
+        note = "no egress budget in the plan (egress.budget): cross-region reads are not capped"
+    table.caption, table.caption_justify = Text(note, no_wrap=True, overflow="ignore"), "left"
     return table
 
 

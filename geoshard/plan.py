@@ -26,7 +26,8 @@ DEFAULT_SHARD_BYTES = 64 * 10**6
 
 # Region names become folder names and object-key prefixes.
 _REGION_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
-_TOP_KEYS = {"routing", "shards", "regions"}
+_TOP_KEYS = {"routing", "shards", "regions", "egress"}
+_EGRESS_KEYS = {"cross_region", "budget"}
 _ROUTING_KEYS = {"policy", "key", "field", "default_region", "map"}
 _SHARD_KEYS = {"bytes", "samples"}
 _REGION_KEYS = {"weight", "bucket", "endpoint", "profile", "alluxio", "local"}
@@ -73,10 +74,19 @@ class ShardTarget:
 
 
 @dataclass(frozen=True)
+class Egress:
+    """Reading other regions' buckets, which costs egress: off unless the plan turns it on."""
+
+    cross_region: bool = False  # fall back to other regions' buckets when the own region's copies fail
+    budget: int | None = None  # bytes per job and rank read from other regions' buckets; None: no cap
+
+
+@dataclass(frozen=True)
 class Plan:
     regions: tuple[Region, ...]
     routing: Routing = field(default_factory=Routing)
     shards: ShardTarget = field(default_factory=ShardTarget)
+    egress: Egress = field(default_factory=Egress)
     path: str | None = field(default=None, compare=False)
 
     @property
@@ -106,11 +116,14 @@ class Plan:
                 if v is not None:
                     d[k] = v
             regions[r.name] = d
-        return {
+        out = {
             "routing": routing,
             "shards": {"bytes": self.shards.bytes, "samples": self.shards.samples},
             "regions": regions,
         }
+        if self.egress != Egress():  # only when set: plans without it keep their digest
+            out["egress"] = {"cross_region": self.egress.cross_region, "budget": self.egress.budget}
+        return out
 
     def sha256(self) -> str:
         return _digest(self.to_dict())
@@ -119,6 +132,7 @@ class Plan:
         """Hash of what decides shard contents (routing, sizes, region names and weights), not storage targets."""
         d = self.to_dict()
         d["regions"] = {n: {"weight": r["weight"]} for n, r in d["regions"].items()}
+        d.pop("egress", None)  # who may read across regions does not change a shard
         return _digest(d)
 
 
@@ -251,8 +265,21 @@ def plan_from_dict(doc: dict[str, Any], source: str = "plan", text: str | None =
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
         raise fail("shards.samples", f"must be an integer >= 0, got {samples!r}")
 
+    ed = table(doc.get("egress", {}), "egress")
+    unknown(ed, _EGRESS_KEYS, "egress.")
+    cross_region = ed.get("cross_region", False)
+    if not isinstance(cross_region, bool):
+        raise fail("egress.cross_region", f"must be true or false, got {cross_region!r}")
+    budget = None
+    if "budget" in ed:
+        try:
+            budget = parse_size(ed["budget"])
+        except ValueError as e:
+            raise fail("egress.budget", str(e)) from e
+
     return Plan(
         regions=tuple(regions),
+        egress=Egress(cross_region=cross_region, budget=budget),
         routing=Routing(
             policy=policy,
             key=key,

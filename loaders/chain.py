@@ -11,6 +11,7 @@ written back to the local replica.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import mmap
 import time
@@ -39,7 +40,12 @@ class ChainSettings:
     timeouts: tuple[tuple[str, float], ...] = (("alluxio", 2.0), ("local", 10.0), ("s3", 10.0))
     cooldown_s: float = 30.0
     backoff: Backoff = field(default_factory=lambda: Backoff(attempts=2, base=0.2, cap=2.0))
-    allow_cross_region: bool = True
+    # Other regions' buckets: None takes the plan's [egress] (off unless cross_region = true).
+    allow_cross_region: bool | None = None
+    # Bytes a rank may read from other regions' buckets; None takes the plan's egress.budget. The
+    # rank's loader workers each get an equal part (egress_shares: make_loader sets the count).
+    egress_budget: int | None = None
+    egress_shares: int = 1
     writeback: bool = True
     local_limit_bytes: int | None = None  # cap on the local replica; least recently used shards go first
     # "xxh3" checks every fetched shard against its fast hash of record (~0.1 s per GB and core
@@ -57,6 +63,10 @@ class ChainSettings:
 
 class AllTiersFailed(StorageError):
     """No tier could serve a shard; the message names it and every tier's failure."""
+
+
+class EgressBudgetExceeded(StorageError):
+    """A cross-region read would take this loader past its egress budget: the loader stops."""
 
 
 class TierChain:
@@ -98,6 +108,8 @@ class TierChain:
             if not self.healthy(tier):
                 failures.append(f"{tier.name}: cooling down after a failure")
                 continue
+            if tier.region and tier.region != self.region:
+                self._check_egress(tier, shard)
             data = self._try(tier, shard, failures)
             if data is None:
                 continue
@@ -139,6 +151,20 @@ class TierChain:
                 return m
             failures.append(f"{tier.name}: its {MANIFEST} describes region {m.region}")
         raise AllTiersFailed(f"region {self.region}: no tier has its {MANIFEST}: " + "; ".join(failures))
+
+    def _check_egress(self, tier: Tier, shard: ShardEntry) -> None:
+        if self.settings.egress_budget is None:
+            return
+        shares = max(1, self.settings.egress_shares)
+        budget = self.settings.egress_budget // shares
+        used = sum(self.stats.snapshot()["egress_bytes"].values())
+        if used + shard.bytes > budget:
+            of = f" (this loader worker's 1/{shares} of the rank's budget)" if shares > 1 else " per rank"
+            raise EgressBudgetExceeded(
+                f"egress budget: reading {shard.path} ({shard.bytes:,} bytes) from {tier.region}'s bucket into {self.region} "
+                f"would bring cross-region reads to {used + shard.bytes:,} bytes, over the budget of {budget:,} bytes{of} "
+                f"(egress.budget in the plan); fill {self.region}'s own copies (geoshard sync, pull) or raise the budget"
+            )
 
     def _try(self, tier: Tier, shard: ShardEntry, failures: list[str]) -> bytes | mmap.mmap | None:
         delays = self.settings.backoff.delays()
@@ -200,7 +226,10 @@ def build_chain(plan: Plan, region: str, settings: ChainSettings | None = None, 
             tiers.append(make_tier("alluxio", url=r.alluxio, ufs_root=r.bucket, region=region, timeout_s=settings.timeout("alluxio")))
     if r.local:
         tiers.append(make_tier("local", root=r.local, region=region, limit_bytes=settings.local_limit_bytes))
-    buckets = [r] + ([o for o in plan.regions if o.name != region] if settings.allow_cross_region else [])
+    cross = plan.egress.cross_region if settings.allow_cross_region is None else settings.allow_cross_region
+    if settings.egress_budget is None and plan.egress.budget is not None:
+        settings = dataclasses.replace(settings, egress_budget=plan.egress.budget)
+    buckets = [r] + ([o for o in plan.regions if o.name != region] if cross else [])
     for b in buckets:
         if b.bucket_name:
             tiers.append(

@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from geoshard.loaders.chain import ChainSettings
 from geoshard.loaders.dataset import EpochStart, RegionalDataset, WorkerFailure
 from geoshard.loaders.decode import PackedBatch, unpack
 from geoshard.loaders.slots import SlotPool
@@ -155,7 +156,10 @@ def make_loader(
     **dataset_kwargs: Any,
 ) -> RegionalLoader:
     """A DataLoader of batches of this rank's share of ``region``; see ``RegionalDataset`` for the rest."""
-    ds = RegionalDataset(plan, region, batch_size=batch_size, collate_fn=collate_fn, **dataset_kwargs)
+    settings = dataset_kwargs.pop("settings", None) or ChainSettings()
+    # Each worker process has its own chain and counters: the rank's egress budget is split among them.
+    settings = dataclasses.replace(settings, egress_shares=max(1, num_workers))
+    ds = RegionalDataset(plan, region, batch_size=batch_size, collate_fn=collate_fn, settings=settings, **dataset_kwargs)
     return RegionalLoader(ds, num_workers=num_workers, lookahead=lookahead, pin_memory=pin_memory, timeout=timeout)
 
 

@@ -161,6 +161,7 @@ def test_chain_built_from_the_plan_with_alluxios_s3_proxy(tmp_path: Path, aws: S
         for p, b in data.items():
             c.put_object(Bucket="proxy-eu", Key=f"train/{p}", Body=b)
     plan = parse_plan(
+        "[egress]\ncross_region = true\n"  # other regions' buckets are opt-in (issue 14)
         f'[regions.eu-west-1]\nweight = 1\nbucket = "s3://proxy-eu/train"\nendpoint = "{aws.endpoint}"\n'
         f'alluxio = "s3+{aws.endpoint}"\nlocal = "{tmp_path / "replica"}"\n'
         f'[regions.us-east-1]\nweight = 1\nbucket = "s3://proxy-us/train"\nendpoint = "{aws.endpoint}"\n'

@@ -4,6 +4,7 @@ variables named after the options, tables that survive a pipe, file modes that f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -653,3 +654,51 @@ def test_samples_left_out_are_per_epoch_not_summed_over_ranks(tmp_path: Path) ->
     assert r.returncode == 0, r.stderr
     assert "1 sample left out per epoch (a different block each epoch)" in r.stdout and "samples dropped" not in r.stdout
     assert json.loads((run_dir / "report.json").read_text())["dropped_samples"] == 1
+
+
+# --- 10. egress is opt-in, and budgeted ------------------------------------------------------------
+
+
+def test_cross_region_reads_are_opt_in_and_stop_at_the_budget(aws: SeaweedS3, tmp_path: Path) -> None:
+    import hashlib
+
+    from geoshard.loaders.chain import EgressBudgetExceeded, build_chain
+
+    from geoshard.manifest import ShardEntry
+    from geoshard.plan import parse_plan
+
+    tag = f"egress-{os.getpid()}"
+    own, far = aws.make_bucket(f"{tag}-eu")[5:], aws.make_bucket(f"{tag}-us")[5:]
+    shards = {f"00000-{i:04d}-x.tar": os.urandom(30_000) for i in range(3)}
+    with contextlib.closing(aws.client()) as c:
+        for p, b in shards.items():
+            c.put_object(Bucket=far, Key=f"train/{p}", Body=b)  # only the other region holds them
+    regions = (
+        f'[regions.eu-west-1]\nweight = 1\nbucket = "s3://{own}/train"\nendpoint = "{aws.endpoint}"\n'
+        f'[regions.us-east-1]\nweight = 1\nbucket = "s3://{far}/train"\nendpoint = "{aws.endpoint}"\n'
+    )
+    off = build_chain(parse_plan(regions), "eu-west-1")
+    assert [t.name for t in off.tiers] == ["s3:eu-west-1"]  # no [egress]: never another region's bucket
+    plan = parse_plan("[egress]\ncross_region = true\nbudget = 70000\n" + regions)
+    chain = build_chain(plan, "eu-west-1")
+    assert [t.name for t in chain.tiers] == ["s3:eu-west-1", "s3:us-east-1"]
+    entries = [ShardEntry(p, 1, len(b), hashlib.sha256(b).hexdigest()) for p, b in shards.items()]
+    for e in entries[:2]:
+        assert bytes(chain.fetch(e)) == shards[e.path]
+    with pytest.raises(EgressBudgetExceeded) as err:
+        chain.fetch(entries[2])
+    msg = str(err.value)
+    assert "from us-east-1's bucket into eu-west-1" in msg and "90,000 bytes, over the budget of 70,000 bytes per rank" in msg
+    assert chain.stats.snapshot()["egress_bytes"] == {"us-east-1->eu-west-1": 60_000}
+
+
+def test_report_shows_egress_against_the_budget(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run")  # each rank read 2 MB from us-east-1's bucket
+    for rank in range(2):
+        p = run_dir / f"rank{rank}.json"
+        p.write_text(json.dumps({**json.loads(p.read_text()), "egress_budget": 8_000_000}))
+    r = run("report", run_dir)
+    assert r.returncode == 0, r.stderr
+    assert "budget 8.0 MB per rank (egress.budget): the most one rank read is 2.0 MB, 25%" in r.stdout
+    report = json.loads((run_dir / "report.json").read_text())
+    assert (report["egress_budget_bytes"], report["egress_bytes_max_rank"]) == (8_000_000, 2_000_000)

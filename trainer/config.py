@@ -48,7 +48,7 @@ class TrainConfig:
     metrics_port: int | None = None  # rank r serves on metrics_port + r
     budget: float = 0.05
     log_keys: bool = False  # every step's sample keys into keys-rank{R}.jsonl (for audits and tests)
-    allow_cross_region: bool = True
+    allow_cross_region: bool | None = None  # None: the plan's [egress] cross_region (off unless set)
     collective_timeout: int = 600  # seconds a collective may wait for a peer before the rank fails
     model: str = "mlp"  # the built-in MLP (WebDataset img/cls samples), or "none": any layout, data only
     step_time: float = 0.0  # seconds of simulated compute per step (with model "none": the whole step)

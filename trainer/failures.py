@@ -9,6 +9,7 @@ happen, each distinct line once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -105,7 +106,7 @@ class StderrRelay:
         self.thread.start()
 
     def _run(self) -> None:
-        with open(self.log, "ab") as f:
+        with open(self.log, "ab") as f, contextlib.suppress(ValueError, OSError):  # the pipe closed under us by join()
             for line in iter(self.pipe.readline, b""):
                 f.write(line)
                 f.flush()
@@ -120,3 +121,5 @@ class StderrRelay:
     def join(self, timeout: float = 10.0) -> None:
         """After the agent exited: the rest of what its ranks wrote (orphans may hold the pipe: bounded)."""
         self.thread.join(timeout)
+        if not self.thread.is_alive():
+            self.pipe.close()

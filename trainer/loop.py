@@ -184,6 +184,7 @@ def _train(cfg: TrainConfig, ctx: RankContext) -> dict[str, Any]:
         region_samples=sum(s.samples for s in ds.manifest.shards),
         segment=segment,
         earlier_segments=_earlier_segments(cfg.out / f"rank{rank}.json", segment),
+        egress_budget=ds.settings.egress_budget if ds.settings.egress_budget is not None else load_plan(cfg.plan).egress.budget,
     )
     Path(cfg.out / f"rank{rank}.json").write_text(json.dumps(summary, indent=1))
     dist.barrier()

@@ -57,7 +57,11 @@ _OPTIONS = [
     click.option("--metrics-port", type=int, help="Serve Prometheus metrics on 127.0.0.1:PORT+rank."),
     click.option("--budget", default=0.05, show_default=True, type=float, help="IO-wait budget, a share of wall time."),
     click.option("--log-keys/--no-log-keys", default=False, help="Record every step's sample keys (audits)."),
-    click.option("--allow-cross-region/--no-allow-cross-region", default=True, help="Read other regions' buckets as a last resort."),
+    click.option(
+        "--allow-cross-region/--no-allow-cross-region",
+        default=None,
+        help="Read other regions' buckets as a last resort [default: the plan's [egress] cross_region, off unless set].",
+    ),
     click.option(
         "--collective-timeout", default=600, show_default=True, type=int, help="Seconds a collective waits for a peer before failing."
     ),

@@ -127,6 +127,10 @@ def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> 
     steps = [r.steps for r in runs.values() if r.steps]
     loader = _merge_loader(_all_summaries(summaries))
     loader["dropped_samples"] = _left_out_per_epoch(summaries)
+    budgets = [s["egress_budget"] for s in summaries if _is_int(s.get("egress_budget"))]
+    per_rank = [
+        sum(n for x in _all_summaries([s]) for n in ((x.get("loader") or {}).get("egress_bytes") or {}).values()) for s in summaries
+    ]
     return {
         "run_dir": run_dir,
         "io_wait_share": share,
@@ -156,6 +160,9 @@ def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> 
         },
         "ranks": ranks,
         **loader,
+        # Bytes per rank the plan allows from other regions' buckets (None: no cap), and the most one rank read.
+        "egress_budget_bytes": min(budgets) if budgets else None,
+        "egress_bytes_max_rank": max(per_rank, default=0),
     }
 
 
