@@ -5,7 +5,7 @@ TFVENV ?= .venv-tf
 BIN := $(VENV)/bin
 PIP_FLAGS ?= -q --disable-pip-version-check
 
-.PHONY: demo test lint typecheck pytest bench clean
+.PHONY: demo test lint typecheck pytest bench clean prometheus
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,7 +31,11 @@ lint: $(BIN)/.installed
 typecheck: $(BIN)/.installed
 	$(BIN)/mypy
 
-pytest: $(BIN)/.installed $(TFVENV)/.installed
+# The Grafana dashboard's queries are tested against a real Prometheus: Debian's package.
+prometheus:
+	command -v prometheus >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus)
+
+pytest: $(BIN)/.installed $(TFVENV)/.installed prometheus
 	GEOSHARD_TF_PYTHON=$(abspath $(TFVENV))/bin/python $(BIN)/pytest -q
 
 test: lint typecheck pytest

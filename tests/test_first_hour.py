@@ -702,3 +702,91 @@ def test_report_shows_egress_against_the_budget(tmp_path: Path) -> None:
     assert "budget 8.0 MB per rank (egress.budget): the most one rank read is 2.0 MB, 25%" in r.stdout
     report = json.loads((run_dir / "report.json").read_text())
     assert (report["egress_budget_bytes"], report["egress_bytes_max_rank"]) == (8_000_000, 2_000_000)
+
+
+# --- 11. metrics for a Prometheus elsewhere, and the Grafana dashboard's queries against a real one ----
+
+
+def _prometheus_query(port: int, path: str, **params: str) -> Any:
+    import urllib.parse
+    import urllib.request
+
+    url = f"http://127.0.0.1:{port}{path}?{urllib.parse.urlencode(params)}"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        doc = json.loads(r.read())
+    assert doc["status"] == "success", doc
+    return doc["data"]
+
+
+def _dashboard_queries() -> list[str]:
+    doc = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
+    found: list[str] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, dict):
+            if isinstance(x.get("expr"), str):
+                found.append(x["expr"])
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(doc)
+    return found
+
+
+@pytest.mark.slow
+def test_grafana_dashboard_queries_against_prometheus_scraping_a_training_run(corpus_plan: Path, tmp_path: Path) -> None:
+    import shutil
+    import time
+    import urllib.error
+
+    from geoshard.seaweed import free_ports
+
+    binary = shutil.which("prometheus") or pytest.fail("prometheus is not installed; make test installs it (apt-get install prometheus)")
+    metrics, web = free_ports(2)
+    config = tmp_path / "prometheus.yml"  # docs/prometheus.yml, pointed at this run's two ranks
+    text = (ROOT / "docs" / "prometheus.yml").read_text().split("scrape_configs:")[0].replace("15s", "1s")
+    config.write_text(
+        text
+        + "scrape_configs:\n  - job_name: geoshard\n    static_configs:\n"
+        + f'      - targets: ["127.0.0.1:{metrics}", "127.0.0.1:{metrics + 1}"]\n'
+    )
+    argv = [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{web}"]
+    with open(tmp_path / "prometheus.log", "w") as log, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT) as prom:
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    _prometheus_query(web, "/api/v1/status/buildinfo")
+                    break
+                except (urllib.error.URLError, ConnectionError):
+                    assert time.monotonic() < deadline and prom.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
+                    time.sleep(0.5)
+            args = ("--model", "none", "--step-time", "60ms", "--steps", "150", "--metrics-port", metrics, "--metrics-host", "127.0.0.1")
+            r = run("train", "--plan", corpus_plan, *TRAIN, *args, "--out", tmp_path / "run")
+            assert r.returncode == 0, r.stderr[-3000:]
+            # the last moment Prometheus saw the ranks: evaluate every panel there
+            last = _prometheus_query(web, "/api/v1/query", query="max(max_over_time(timestamp(geoshard_io_wait_share)[10m:1s]))")["result"]
+            assert last, "Prometheus never scraped the ranks"
+            at = last[0]["value"][1]
+            regions = _prometheus_query(web, "/api/v1/label/region/values", **{"match[]": "geoshard_step_seconds_count"})
+            ranks = _prometheus_query(web, "/api/v1/label/rank/values", **{"match[]": 'geoshard_step_seconds_count{region=~"eu-west-1"}'})
+            assert (regions, ranks) == (["eu-west-1"], ["0", "1"])
+            for expr in _dashboard_queries():
+                q = expr.replace("$region", "eu-west-1").replace("$rank", ".*").replace("$__rate_interval", "5s").replace("$__range", "5m")
+                result = _prometheus_query(web, "/api/v1/query", query=q, time=at)["result"]
+                if "gpu_utilization" in expr or "egress" in expr:
+                    assert all(float(x["value"][1]) == 0 for x in result), (expr, result)  # no GPU here, no cross-region reads
+                    continue
+                assert result, expr
+                values = [float(x["value"][1]) for x in result]
+                assert all(v >= 0 and v == v for v in values), (expr, values)
+                if "histogram_quantile" in expr:
+                    assert all(0.05 <= v <= 30 for v in values), (expr, values)  # a step is the 60 ms stated, plus the data wait
+                if expr.startswith("geoshard_io_wait_share"):
+                    assert len(values) == 2 and all(v <= 1 for v in values), values
+        finally:
+            prom.terminate()
+            prom.wait(timeout=30)

@@ -46,6 +46,7 @@ class TrainConfig:
     nccl_algo: str | None = None
     socket_ifname: str | None = None
     metrics_port: int | None = None  # rank r serves on metrics_port + r
+    metrics_host: str = "127.0.0.1"  # the address the metrics bind: 0.0.0.0 for a Prometheus on another host
     budget: float = 0.05
     log_keys: bool = False  # every step's sample keys into keys-rank{R}.jsonl (for audits and tests)
     allow_cross_region: bool | None = None  # None: the plan's [egress] cross_region (off unless set)
@@ -75,6 +76,8 @@ class TrainConfig:
             raise ConfigError(f"--step-time must be at least 0 and under an hour, got {self.step_time}")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be above 0, got {self.lr}")
+        if not self.metrics_host or any(c.isspace() for c in self.metrics_host):
+            raise ConfigError(f"--metrics-host must be an address such as 127.0.0.1 or 0.0.0.0, got {self.metrics_host!r}")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be a TCP port (1-65535; rank R serves on PORT+R), got {self.metrics_port}")
 

@@ -165,7 +165,7 @@ def _train(cfg: TrainConfig, ctx: RankContext) -> dict[str, Any]:
         else:
             p.unlink(missing_ok=True)
     segment = _next_segment(steps_path)
-    metrics = Metrics(None if cfg.metrics_port is None else cfg.metrics_port + rank, rank=rank, region=ctx.region)
+    metrics = Metrics(None if cfg.metrics_port is None else cfg.metrics_port + rank, rank=rank, region=ctx.region, host=cfg.metrics_host)
     with open(steps_path, "a") as steps_log, open(keys_path, "a") if cfg.log_keys else contextlib.nullcontext() as keys_log:
         run = Run(cfg, ctx, ddp, comm, opt, loader, store, metrics, steps_log, keys_log, segment)
         summary = _loop(run, step)

@@ -54,7 +54,13 @@ _OPTIONS = [
     click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True, help="auto: nccl on CUDA, else gloo."),
     click.option("--nccl-algo", type=click.Choice(NCCL_ALGOS), help="NCCL_ALGO (Tree suits long, high-latency links)."),
     click.option("--socket-ifname", help="Network interface for NCCL and gloo (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)."),
-    click.option("--metrics-port", type=int, help="Serve Prometheus metrics on 127.0.0.1:PORT+rank."),
+    click.option("--metrics-port", type=int, help="Serve Prometheus metrics on HOST:PORT+rank (HOST: --metrics-host)."),
+    click.option(
+        "--metrics-host",
+        default="127.0.0.1",
+        show_default=True,
+        help="Address the metrics bind; 0.0.0.0 lets a Prometheus on another host scrape them (docs/prometheus.yml).",
+    ),
     click.option("--budget", default=0.05, show_default=True, type=float, help="IO-wait budget, a share of wall time."),
     click.option("--log-keys/--no-log-keys", default=False, help="Record every step's sample keys (audits)."),
     click.option(
