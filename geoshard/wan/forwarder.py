@@ -28,6 +28,7 @@ import itertools
 import json
 import os
 import select
+import signal
 import socket
 import sys
 import time
@@ -214,6 +215,8 @@ def _realtime() -> None:
 
 
 def main() -> int:
+    # A Ctrl-C reaches the owner's whole process group; the owner stops us (or we see it die).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     line = sys.stdin.buffer.readline()
     if not line:
         return 0
