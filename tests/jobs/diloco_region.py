@@ -1,0 +1,167 @@
+"""Run by tests/test_diloco.py: the ranks of one region of a DiLoCo job. Each region is its own
+gloo world (its own rendezvous port), and the region leaders meet in the test's TCPStore.
+
+argv: MODE REGION REGION_RANK REGION_SIZE REGION_PORT STORE_PORT OUT
+  equiv  H=1, outer lr 1 and momentum 0, inner SGD: rank 0 of the first region also trains the
+         synchronous data-parallel reference on the whole global batch and writes the distance;
+         then the same with outer lr 0.7 (which must not match)
+  loss   H=5 with the paper's outer settings and fp16; the first region writes the eval loss per round
+  chaos  paced rounds until the store holds ``stop``; one JSON line per round (pid, digest of the
+         parameters) in OUT/REGION.jsonl; the test kills and restarts a region
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from geoshard.trainer.diloco import DiLoCo, OuterSync, RoundRecord, connect_store
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+REGIONS = ("us-east-1", "eu-west-1")
+IN, OUT_CLASSES, REGION_BATCH = 16, 4, 16
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, 32), nn.Tanh(), nn.Linear(32, OUT_CLASSES))
+
+
+def teacher() -> torch.Tensor:
+    return torch.randn(IN, OUT_CLASSES, generator=torch.Generator().manual_seed(1234))
+
+
+def batch(region: str, rank: int, size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each rank's share of its region's batch of ``REGION_BATCH`` (labels from a fixed linear teacher: learnable)."""
+    g = torch.Generator().manual_seed(hash((REGIONS.index(region), rank, step)) % (2**31))
+    x = torch.randn(REGION_BATCH // size, IN, generator=g)
+    return x, (x @ teacher()).argmax(1)
+
+
+def digest(model: nn.Module) -> str:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+
+
+def record(rec: RoundRecord | None) -> dict[str, Any]:
+    return {} if rec is None else {k: list(v) if isinstance(v, tuple) else v for k, v in rec.__dict__.items()}
+
+
+class Region:
+    def __init__(self, argv: list[str]) -> None:
+        self.mode, self.region = argv[0], argv[1]
+        self.rank, self.size, port, self.store_port = int(argv[2]), int(argv[3]), int(argv[4]), int(argv[5])
+        self.out = Path(argv[6])
+        self.group: Any = None
+        if self.size > 1:
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank, world_size=self.size, timeout=datetime.timedelta(seconds=60)
+            )
+            self.group = dist.group.WORLD
+        self.store = connect_store("127.0.0.1", self.store_port, timeout_s=30) if self.rank == 0 else None
+
+    def trainer(self, sync: OuterSync, prefix: str, lr: float, momentum: float = 0.0) -> tuple[nn.Module, nn.Module, DiLoCo]:
+        model = make_model()
+        wrapped = DDP(model, process_group=self.group) if self.group is not None else model
+        diloco = DiLoCo(model, sync, self.region, REGIONS, group=self.group, prefix=prefix)
+        diloco.join(self.store)
+        self.opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        return model, wrapped, diloco
+
+    def inner_step(self, wrapped: nn.Module, step: int) -> float:
+        x, y = batch(self.region, self.rank, self.size, step)
+        self.opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(wrapped(x), y)
+        loss.backward()
+        self.opt.step()
+        return float(loss.detach())
+
+
+def equiv(job: Region) -> None:
+    steps, inner_lr = 8, 0.1
+    result: dict[str, Any] = {}
+    for name, outer_lr in (("lr1", 1.0), ("lr07", 0.7)):
+        sync = OuterSync(outer_steps=1, outer_lr=outer_lr, outer_momentum=0.0, compression="none", round_timeout_s=60)
+        model, wrapped, diloco = job.trainer(sync, name, inner_lr)
+        records = []
+        for step in range(1, steps + 1):
+            job.inner_step(wrapped, step)
+            records.append(record(diloco.maybe_sync(step)))
+        result[name] = {"digest": digest(model), "records": records}
+        if job.region == REGIONS[0] and job.rank == 0:
+            ref = make_model()
+            opt = torch.optim.SGD(ref.parameters(), lr=inner_lr)
+            for step in range(1, steps + 1):
+                parts = [batch(region, r, n, step) for region, n in ((REGIONS[0], job.size), (REGIONS[1], 1)) for r in range(n)]
+                x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+                opt.zero_grad()
+                F.cross_entropy(ref(x), y).backward()
+                opt.step()
+            diff = max(float((a - b).detach().abs().max()) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
+            result[name]["max_abs_diff_to_sync_dp"] = diff
+            result[name]["param_scale"] = max(float(p.detach().abs().max()) for p in ref.parameters())
+    (job.out / f"equiv-{job.region}-{job.rank}.json").write_text(json.dumps(result, indent=1))
+
+
+def loss(job: Region) -> None:
+    sync = OuterSync(outer_steps=5, compression="fp16", round_timeout_s=60)
+    model, wrapped, diloco = job.trainer(sync, "loss", lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(99)
+    ex = torch.randn(512, IN, generator=g)
+    ey = (ex @ teacher()).argmax(1)
+
+    def eval_loss() -> float:
+        with torch.no_grad():
+            return float(F.cross_entropy(model(ex), ey))
+
+    losses, records = [eval_loss()], []
+    for step in range(1, 51):
+        job.inner_step(wrapped, step)
+        rec = diloco.maybe_sync(step)
+        if rec is not None:
+            losses.append(eval_loss())
+            records.append(record(rec))
+    (job.out / f"loss-{job.region}.json").write_text(json.dumps({"eval_loss": losses, "records": records, "digest": digest(model)}))
+
+
+def chaos(job: Region) -> None:
+    sync = OuterSync(outer_steps=5, compression="fp16", round_timeout_s=3.0, join_timeout_s=60)
+    model, wrapped, diloco = job.trainer(sync, "chaos", lr=0.05)
+    assert job.store is not None
+    log = (job.out / f"{job.region}.jsonl").open("a")
+
+    def write(line: dict[str, Any]) -> None:
+        log.write(json.dumps({"pid": os.getpid(), "digest": digest(model), **line}) + "\n")
+        log.flush()
+
+    write({"join": diloco.round - 1})
+    for step in range(1, 4000):
+        job.inner_step(wrapped, step)
+        time.sleep(0.02)  # paced, so that the test can kill and restart a region mid-run
+        rec = diloco.maybe_sync(step)
+        if rec is not None:
+            write(record(rec))
+            if job.store.check(["chaos/stop"]):
+                break
+    log.close()
+
+
+def main() -> None:
+    job = Region(sys.argv[1:])
+    {"equiv": equiv, "loss": loss, "chaos": chaos}[job.mode](job)
+    if job.group is not None:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

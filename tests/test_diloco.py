@@ -1,0 +1,225 @@
+"""DiLoCo across regions (trainer/diloco.py): each region is its own gloo world in its own
+processes, and the region leaders meet in a TCPStore that this test process hosts, as the
+launcher does (it outlives every region)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from geoshard.trainer.diloco import DiLoCo, OuterSync, RoundRecord, connect_store, decode, encode, host_store
+from torch import nn
+
+from geoshard.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "tests" / "jobs" / "diloco_region.py"
+REGIONS = ("us-east-1", "eu-west-1")
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(mode: str, region: str, rank: int, size: int, region_port: int, store_port: int, out: Path) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-P", str(JOB), mode, region, str(rank), str(size), str(region_port), str(store_port), str(out)]
+    log = (out / f"{mode}-{region}-{rank}-{time.monotonic_ns()}.log").open("w")
+    return subprocess.Popen(argv, cwd=out, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(procs: list[subprocess.Popen[str]], out: Path, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            logs = "\n".join(f.read_text()[-2000:] for f in out.glob("*.log"))
+            assert rc == 0, f"a region process exited {rc}:\n{logs}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+def test_outer_sync_settings_are_checked_with_one_line_naming_the_field() -> None:
+    assert OuterSync().outer_lr == 0.7 and OuterSync().outer_momentum == 0.9 and OuterSync().nesterov
+    for bad, field in (({"outer_steps": 0}, "outer_steps"), ({"compression": "int3"}, "compression"), ({"outer_momentum": 1.0}, "outer_momentum")):
+        with pytest.raises(ConfigError, match=field) as e:
+            OuterSync(**bad)  # type: ignore[arg-type]
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="not one of the job's regions"):
+        DiLoCo(nn.Linear(2, 2), OuterSync(), "mars-1", REGIONS)
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16", "none"])
+def test_compression_halves_the_bytes_and_round_trips_within_its_precision(compression: str) -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1e-2
+    payload = encode(x, compression)
+    assert len(payload) == 1000 * (4 if compression == "none" else 2)
+    rel, tiny = {"fp16": (1e-3, 1e-7), "bf16": (1e-2, 0.0), "none": (0.0, 0.0)}[compression]  # fp16: subnormals below 6e-5
+    back = decode(payload, compression)
+    assert back.dtype == torch.float32 and torch.allclose(back, x, rtol=rel, atol=tiny)
+    assert compression == "none" or not torch.equal(back, x)  # the cast did happen
+
+
+def _filled(value: float) -> nn.Module:
+    m = nn.Linear(3, 2)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(value)
+    return m
+
+
+@pytest.mark.parametrize("compression", ["fp16", "none"])
+def test_an_outer_round_with_a_region_missing_averages_over_the_regions_present(compression: str) -> None:
+    """Three regions in the job, two leaders (threads, each with its own connection to a real
+    TCPStore): the third never publishes. Round 1 waits out its timeout, then averages the two
+    pseudo-gradients (0.5 and 0.75 → 0.625) and applies them with lr 1: 1 - 0.625 = 0.375 exactly,
+    and records the missing region. Round 2 no longer waits for it."""
+    server = host_store()
+    regions = ("us-east-1", "eu-west-1", "ap-southeast-1")
+    sync = OuterSync(outer_steps=2, outer_lr=1.0, outer_momentum=0.0, compression=compression, round_timeout_s=1.5)
+    models = {"us-east-1": _filled(1.0), "eu-west-1": _filled(7.0)}
+    dl = {g: DiLoCo(m, sync, g, regions) for g, m in models.items()}
+    joins = {g: d.join(connect_store("127.0.0.1", server.port)) for g, d in dl.items()}
+    assert joins["us-east-1"].created and not joins["eu-west-1"].created
+    assert all(p.eq(1.0).all() for p in models["eu-west-1"].parameters())  # took round 0's parameters
+
+    def both(step: int, values: dict[str, float]) -> dict[str, RoundRecord | None]:
+        for g, v in values.items():
+            with torch.no_grad():
+                for p in models[g].parameters():
+                    p.fill_(v)
+        out: dict[str, RoundRecord | None] = {}
+        threads = [threading.Thread(target=lambda g=g: out.__setitem__(g, dl[g].maybe_sync(step))) for g in dl]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        return out
+
+    assert both(1, {"us-east-1": 0.5, "eu-west-1": 0.25}) == {"us-east-1": None, "eu-west-1": None}  # not a round step
+    recs = both(2, {"us-east-1": 0.5, "eu-west-1": 0.25})
+    for g, rec in recs.items():
+        assert rec is not None
+        assert (rec.round, rec.regions, rec.missing) == (1, ("us-east-1", "eu-west-1"), ("ap-southeast-1",))
+        assert rec.sync_s >= 1.4  # it waited for the missing region, bounded by the timeout
+        assert all(p.eq(0.375).all() for p in models[g].parameters()), [p.tolist() for p in models[g].parameters()]
+        params = 3 * 2 + 2
+        assert rec.bytes_read == params * (4 if compression == "none" else 2)  # the other present region's pseudo-gradient
+    assert {r.bytes_published > params * 4 for r in recs.values() if r} == {True, False}  # one of the two closed and published the state
+    recs = both(4, {"us-east-1": 0.375 - 0.25, "eu-west-1": 0.375})
+    for g, rec in recs.items():
+        assert rec is not None and rec.round == 2 and rec.missing == ("ap-southeast-1",)
+        assert rec.sync_s < 1.0  # a region missing from the last round is no longer waited for
+        assert all(p.eq(0.375 - 0.125).all() for p in models[g].parameters())
+
+
+def test_h1_with_outer_lr_1_equals_synchronous_data_parallel_and_outer_lr_07_does_not(tmp_path: Path) -> None:
+    """Two regions: us-east-1 with 2 ranks (in-region DDP, its own gloo world; each rank half the
+    region's batch), eu-west-1 with 1. The reference is one process stepping SGD on the whole
+    global batch, i.e. synchronous data parallel with equal batches per region."""
+    server = host_store()
+    port = _port()
+    procs = [start("equiv", REGIONS[0], r, 2, port, server.port, tmp_path) for r in (0, 1)]
+    procs.append(start("equiv", REGIONS[1], 0, 1, _port(), server.port, tmp_path))
+    finish(procs, tmp_path)
+    lead = json.loads((tmp_path / "equiv-us-east-1-0.json").read_text())
+    other = json.loads((tmp_path / "equiv-us-east-1-1.json").read_text())
+    far = json.loads((tmp_path / "equiv-eu-west-1-0.json").read_text())
+    assert lead["lr1"]["max_abs_diff_to_sync_dp"] < 1e-5, lead["lr1"]
+    assert lead["lr07"]["max_abs_diff_to_sync_dp"] > 1e-3, lead["lr07"]  # the check can fail
+    for run in ("lr1", "lr07"):
+        # Every rank of every region holds the same parameters after each round.
+        assert lead[run]["digest"] == other[run]["digest"] == far[run]["digest"]
+        recs = lead[run]["records"]
+        assert [r["round"] for r in recs] == list(range(1, 9))
+        assert all(r["regions"] == list(REGIONS) and r["missing"] == [] and r["compression"] == "none" for r in recs)
+        assert [r["round"] for r in other[run]["records"]] == list(range(1, 9))  # the non-leader got the records by broadcast
+
+
+def test_with_h5_the_loss_goes_down_and_the_regions_agree(tmp_path: Path) -> None:
+    server = host_store()
+    procs = [start("loss", g, 0, 1, _port(), server.port, tmp_path) for g in REGIONS]
+    finish(procs, tmp_path)
+    a, b = (json.loads((tmp_path / f"loss-{g}.json").read_text()) for g in REGIONS)
+    losses = a["eval_loss"]
+    assert len(losses) == 11  # before, and after each of the 10 rounds
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert a["digest"] == b["digest"]
+    assert all(r["bytes_read"] > 0 and r["compression"] == "fp16" and r["missing"] == [] for r in a["records"])
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _until(what: str, cond: Any, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_a_killed_region_is_averaged_out_and_rejoins_from_the_published_outer_state(tmp_path: Path) -> None:
+    """SIGKILL eu-west-1 mid-run: us-east-1 goes on in the same process, losing at most the round in
+    flight (one wait of round_timeout_s), then no longer waits. eu-west-1 restarted starts from the
+    newest published outer parameters (the same bytes us-east-1 holds after that round) and takes
+    part in the rounds again."""
+    server = host_store()
+    a_log, b_log = tmp_path / "us-east-1.jsonl", tmp_path / "eu-west-1.jsonl"
+    a = start("chaos", REGIONS[0], 0, 1, _port(), server.port, tmp_path)
+    b = start("chaos", REGIONS[1], 0, 1, _port(), server.port, tmp_path)
+    procs = [a, b]
+    try:
+        _until("eu-west-1's second round", lambda: len([r for r in _lines(b_log) if "round" in r]) >= 2)
+        os.kill(b.pid, signal.SIGKILL)
+        b.wait(10)
+        _until("us-east-1 rounds without eu-west-1", lambda: sum(r.get("missing") == ["eu-west-1"] for r in _lines(a_log)) >= 3)
+        b2 = start("chaos", REGIONS[1], 0, 1, _port(), server.port, tmp_path)
+        procs.append(b2)
+
+        def rejoined() -> bool:
+            lines = [r for r in _lines(b_log) if r["pid"] == b2.pid and "round" in r and not r["adopted"]]
+            return len(lines) >= 2
+
+        _until("eu-west-1 back in two rounds", rejoined)
+        server.set("chaos/stop", "1")
+        finish([a, b2], tmp_path, timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    a_lines = _lines(a_log)
+    assert {r["pid"] for r in a_lines} == {a.pid}  # us-east-1 never restarted
+    a_rounds = [r for r in a_lines if "round" in r]
+    assert [r["round"] for r in a_rounds] == list(range(1, len(a_rounds) + 1))  # and lost no round
+    missing = [i for i, r in enumerate(a_rounds) if r["missing"] == ["eu-west-1"]]
+    first = missing[0]
+    assert a_rounds[first]["sync_s"] >= 2.5  # the round in flight waited for the lost region (timeout 3 s)...
+    assert all(a_rounds[i]["sync_s"] < 2.5 for i in missing[1:])  # ...the next ones did not
+    by_round = {r["round"]: r for r in a_rounds}
+    b_lines = [r for r in _lines(b_log) if r["pid"] == b2.pid]
+    join = b_lines[0]
+    assert "join" in join and join["join"] >= a_rounds[first]["round"]  # a round us-east-1 finished alone
+    assert join["digest"] == by_round[join["join"]]["digest"]  # live recovery: the published outer parameters
+    back = [r for r in b_lines[1:] if not r["adopted"]][:2]  # the two seen before the stop (a later one may run alone)
+    for r in back:
+        assert r["regions"] == list(REGIONS) and by_round[r["round"]]["regions"] == list(REGIONS)
+        assert r["digest"] == by_round[r["round"]]["digest"]  # both regions hold the same outer parameters again

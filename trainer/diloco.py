@@ -1,0 +1,377 @@
+"""DiLoCo across regions: each region trains alone for H inner steps, then the regions average
+their pseudo-gradients (outer parameters minus current parameters) and apply them with an outer
+Nesterov SGD step (arXiv 2311.08105; lr 0.7, momentum 0.9 by default).
+
+Why not torchft, and why a store (docs/diloco.md has the longer story): a region is several ranks
+doing DDP in their own process group, and a region that is lost must not break the others'
+groups, so the regions never share a process group. Their leaders meet in a key-value store
+that tolerates missing members: a ``torch.distributed.TCPStore`` hosted by the launcher (which
+outlives every region), or anything with the same ``set``/``get``/``add``/``check`` methods.
+
+One outer round ``r``, on each region's leader (in-region rank 0):
+  1. publish the compressed pseudo-gradient under ``r`` and the region;
+  2. wait, at most ``round_timeout_s``, for the regions expected in ``r`` (the members of round
+     ``r-1`` and any region that announced a rejoin);
+  3. the first leader done waiting closes the round: it writes the regions whose pseudo-gradient
+     is there (an atomic ``add`` picks one closer, so every leader averages over the same set);
+  4. each leader averages over those regions in job order (the same sum everywhere), applies the
+     outer step, and the closer publishes the new outer state (parameters, momentum) for the
+     round, so a region that rejoins starts from it (live recovery);
+  5. the leader broadcasts the new parameters in its region.
+A region whose pseudo-gradient missed the close (it was late or is rejoining) takes the round's
+published state instead of its own result and goes on from there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import io
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from geoshard.errors import ConfigError, GeoshardError
+
+log = logging.getLogger(__name__)
+
+COMPRESSIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": torch.float32}
+POLL_S = 0.02  # how often a leader looks at the store while it waits; one round trip each
+
+
+class OuterSyncError(GeoshardError):
+    """The outer exchange could not go on (the store is gone, or no state to rejoin from in time)."""
+
+    exit_code = 1
+
+
+class Store(Protocol):
+    """What the outer exchange needs from a store; ``torch.distributed.TCPStore`` has it."""
+
+    def set(self, key: str, value: bytes | str) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def add(self, key: str, amount: int) -> int: ...
+    def check(self, keys: list[str]) -> bool: ...
+
+
+@dataclass(frozen=True)
+class OuterSync:
+    outer_steps: int = 100  # H: inner steps between outer rounds
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    compression: str = "fp16"  # of the pseudo-gradient on the long links: fp16 | bf16 | none
+    round_timeout_s: float = 60.0  # how long a leader waits for the expected regions
+    join_timeout_s: float = 300.0  # how long a starting region waits for the first published state
+
+    def __post_init__(self) -> None:
+        if self.outer_steps < 1:
+            raise ConfigError(f"outer_steps must be 1 or more, got {self.outer_steps}")
+        if self.outer_lr <= 0:
+            raise ConfigError(f"outer_lr must be above 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError(f"outer compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
+        if self.round_timeout_s <= 0 or self.join_timeout_s <= 0:
+            raise ConfigError("round_timeout_s and join_timeout_s must be above 0")
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    round: int
+    step: int  # the region's inner step count at the round
+    regions: tuple[str, ...]  # whose pseudo-gradients were averaged
+    missing: tuple[str, ...]  # regions of the job that were not
+    sync_s: float  # from publishing to the new parameters in place, on this region
+    bytes_published: int  # by this region's leader: pseudo-gradient, and the state when it closed the round
+    bytes_read: int  # by this region's leader: the other regions' pseudo-gradients (or the state it adopted)
+    compression: str
+    adopted: bool = False  # this region missed the close and took the round's published state
+
+
+@dataclass(frozen=True)
+class JoinRecord:
+    round: int  # the round whose state the region starts from
+    step: int  # the inner step count of the region that published it
+    created: bool  # this region published round 0 (a fresh job)
+    bytes_read: int
+
+
+def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
+    """The launcher's store (it outlives every region); ``.port`` is the port it got."""
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def connect_store(host: str, port: int, timeout_s: float = 60.0) -> dist.TCPStore:
+    """A region leader's connection; every call on it is bounded by ``timeout_s``."""
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def encode(delta: torch.Tensor, compression: str) -> bytes:
+    """A flat fp32 tensor → the bytes published (cast to the compression's dtype)."""
+    t = delta.detach().to(COMPRESSIONS[compression]).contiguous()
+    return t.view(torch.uint8).numpy().tobytes()
+
+
+def decode(payload: bytes, compression: str) -> torch.Tensor:
+    dtype = COMPRESSIONS[compression]
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).to(torch.float32)
+
+
+class DiLoCo:
+    """One per rank. The region leader (in-region rank 0) keeps the outer parameters and the outer
+    optimizer and talks to the store; the other ranks of the region receive the new parameters by
+    broadcast in ``group`` (the region's own process group; ``None`` for a one-rank region).
+
+    ``join(store)`` first (collective in the region), then ``maybe_sync(step)`` after every inner
+    optimizer step: every ``outer_steps`` steps it runs a round and returns its ``RoundRecord``.
+    """
+
+    def __init__(
+        self, model: nn.Module, sync: OuterSync, region: str, regions: Sequence[str], group: Any = None, prefix: str = "diloco"
+    ) -> None:
+        if region not in regions:
+            raise ConfigError(f"region {region!r} is not one of the job's regions ({', '.join(regions)})")
+        self.model = model
+        self.sync = sync
+        self.region = region
+        self.regions = tuple(regions)
+        self.group = group
+        self.prefix = prefix
+        self.params = [p for p in model.parameters()]
+        self.is_leader = group is None or dist.get_rank(group) == 0
+        self.round = 0  # the next round this region takes part in
+        self.store: Store | None = None
+        self._outer: torch.Tensor | None = None
+        self._opt: torch.optim.SGD | None = None
+
+    # -- keys -------------------------------------------------------------------------------
+    def _key(self, *parts: object) -> str:
+        return "/".join([self.prefix, *map(str, parts)])
+
+    def _grad_key(self, r: int, region: str) -> str:
+        return self._key("r", r, "grad", region)
+
+    # -- flat views -------------------------------------------------------------------------
+    def _flat(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+
+    def _load_flat(self, flat: torch.Tensor) -> None:
+        i = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                p.copy_(flat[i : i + n].view_as(p))
+                i += n
+
+    def _set_outer(self, flat: torch.Tensor, momentum: torch.Tensor | None) -> None:
+        s = self.sync
+        self._outer = flat.detach().clone()
+        self._opt = torch.optim.SGD(
+            [self._outer], lr=s.outer_lr, momentum=s.outer_momentum, nesterov=s.nesterov and s.outer_momentum > 0
+        )
+        if momentum is not None:
+            self._opt.state[self._outer]["momentum_buffer"] = momentum.clone()
+
+    @property
+    def outer(self) -> torch.Tensor:
+        """The outer parameters (flat fp32), on the leader."""
+        if self._outer is None:
+            raise OuterSyncError("DiLoCo: call join(store) before the first round")
+        return self._outer
+
+    def _state_bytes(self, r: int, step: int) -> bytes:
+        assert self._opt is not None
+        mom = self._opt.state.get(self.outer, {}).get("momentum_buffer")
+        buf = io.BytesIO()
+        torch.save({"round": r, "step": step, "params": self.outer, "momentum": mom}, buf)
+        return buf.getvalue()
+
+    # -- the store, bounded -------------------------------------------------------------------
+    def _wait_key(self, key: str, timeout_s: float, what: str) -> None:
+        assert self.store is not None
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise OuterSyncError(f"DiLoCo: {what} did not appear in the store within {timeout_s:g} s (key {key})")
+            time.sleep(POLL_S)
+
+    def _load_state(self, r: int) -> tuple[int, int, int]:
+        """Adopt the state published for round ``r``: (round, step, bytes read)."""
+        assert self.store is not None
+        if not self.store.check([self._key("state", r)]):
+            raise KeyError(r)
+        payload = self.store.get(self._key("state", r))
+        state = torch.load(io.BytesIO(payload), weights_only=True)
+        self._set_outer(state["params"], state["momentum"])
+        return int(state["round"]), int(state["step"]), len(payload)
+
+    def _adopt_latest(self, at_least: int) -> tuple[int, int]:
+        """Load the newest published state once it is round ``at_least`` or later: (its round, bytes read)."""
+        deadline = time.monotonic() + self.sync.round_timeout_s
+        while True:
+            latest = self._latest()
+            if latest is not None and latest >= at_least:
+                with contextlib.suppress(KeyError):  # a newer round's closer may have just dropped it
+                    r, _, nbytes = self._load_state(latest)
+                    self._load_flat(self.outer)
+                    return r, nbytes
+            if time.monotonic() > deadline:
+                raise OuterSyncError(f"DiLoCo: no outer state of round {at_least} or later within {self.sync.round_timeout_s:g} s")
+            time.sleep(POLL_S)
+
+    def _latest(self) -> int | None:
+        assert self.store is not None
+        if not self.store.check([self._key("latest")]):
+            return None
+        return int(self.store.get(self._key("latest")))
+
+    def _publish_state(self, r: int, step: int) -> int:
+        assert self.store is not None
+        payload = self._state_bytes(r, step)
+        self.store.set(self._key("state", r), payload)
+        self.store.set(self._key("latest"), str(r))
+        return len(payload)
+
+    # -- region collectives -----------------------------------------------------------------
+    def _in_region(self, obj: Any) -> Any:
+        """Leader's new parameters and ``obj`` → every rank of the region."""
+        if self.group is None:
+            return obj
+        flat = self.outer.clone() if self.is_leader else self._flat()
+        dist.broadcast(flat, group=self.group, group_src=0)
+        box = [obj]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        if not self.is_leader:
+            self._load_flat(flat)
+        return box[0]
+
+    # -- join -------------------------------------------------------------------------------
+    def join(self, store: Store | None) -> JoinRecord:
+        """Start from the newest published outer state (a region restarting: live recovery), or, in a
+        fresh job, the first region publishes its own parameters as round 0 and the others take them."""
+        rec: JoinRecord | None = None
+        if self.is_leader:
+            if store is None:
+                raise ConfigError("DiLoCo.join: the region leader needs the outer store")
+            self.store = store
+            latest = self._latest()
+            created = False
+            if latest is None and self.region == self.regions[0] and store.add(self._key("created"), 1) == 1:
+                self._set_outer(self._flat(), None)
+                store.set(self._key("r", 0, "members"), ",".join(self.regions))
+                self._publish_state(0, 0)
+                latest, created = 0, True
+            if latest is None:
+                self._wait_key(self._key("latest"), self.sync.join_timeout_s, "the job's first outer state")
+                latest = self._latest()
+                assert latest is not None
+            r, step, nbytes = (0, 0, 0) if created else self._load_state(latest)
+            self._load_flat(self.outer)
+            self.round = r + 1
+            # The others wait for this region from the round after the one it starts from.
+            store.set(self._key("joined", self.region), str(self.round))
+            rec = JoinRecord(r, step, created, nbytes)
+            log.info("DiLoCo: region %s starts from outer round %d (step %d)", self.region, r, step)
+        rec = self._in_region(rec)
+        assert rec is not None
+        self.round = rec.round + 1
+        return rec
+
+    # -- the outer round ------------------------------------------------------------------------
+    def maybe_sync(self, step: int) -> RoundRecord | None:
+        """After inner step ``step`` (1-based): a round when ``step`` is a multiple of ``outer_steps``."""
+        if step % self.sync.outer_steps:
+            return None
+        return self.sync_now(step)
+
+    def sync_now(self, step: int) -> RoundRecord:
+        """Collective in the region: one outer round."""
+        t0 = time.perf_counter()
+        rec = self._leader_round(step, t0) if self.is_leader else None
+        rec = self._in_region(rec)
+        assert rec is not None
+        self.round = rec.round + 1
+        if not self.is_leader:
+            rec = dataclasses.replace(rec, sync_s=time.perf_counter() - t0)
+        return rec
+
+    def _expected(self, r: int) -> list[str]:
+        assert self.store is not None
+        key = self._key("r", r - 1, "members")
+        members = self.store.get(key).decode().split(",") if self.store.check([key]) else list(self.regions)
+        out = []
+        for region in self.regions:
+            jk = self._key("joined", region)
+            # A rejoining region announces its first round; a stale announcement (a region lost since) is not waited for.
+            if region in members or (self.store.check([jk]) and int(self.store.get(jk)) == r):
+                out.append(region)
+        return out
+
+    def _leader_round(self, step: int, t0: float) -> RoundRecord:
+        store, s, r = self.store, self.sync, self.round
+        if store is None:
+            raise OuterSyncError("DiLoCo: call join(store) before the first round")
+        payload = encode(self.outer - self._flat(), s.compression)
+        published = len(payload)
+        store.set(self._grad_key(r, self.region), payload)
+        expected = [self._grad_key(r, region) for region in self._expected(r)]
+        members_key = self._key("r", r, "members")
+        deadline = time.monotonic() + s.round_timeout_s
+        closer = False
+        while not store.check([members_key]):
+            if store.check(expected) or time.monotonic() > deadline:
+                if store.add(self._key("r", r, "close"), 1) == 1:
+                    present = [g for g in self.regions if store.check([self._grad_key(r, g)])]
+                    store.set(members_key, ",".join(present))
+                    closer = True
+                else:  # another leader is closing; it writes the members next
+                    self._wait_key(members_key, s.round_timeout_s, f"round {r}'s members")
+                break
+            time.sleep(POLL_S)
+        members = tuple(store.get(members_key).decode().split(","))
+        missing = tuple(g for g in self.regions if g not in members)
+        if self.region not in members:
+            # Too late for this round: take the newest published result, and go on from there.
+            adopted, nbytes = self._adopt_latest(r)
+            store.set(self._key("joined", self.region), str(adopted + 1))
+            log.warning("DiLoCo: region %s missed outer round %d; it continues from round %d's published state", self.region, r, adopted)
+            return RoundRecord(adopted, step, members, missing, time.perf_counter() - t0, published, nbytes, s.compression, adopted=True)
+        total = torch.zeros_like(self.outer)
+        read = 0
+        for g in members:  # job order: every leader sums the same values in the same order
+            if g == self.region:
+                total += decode(payload, s.compression)
+            else:
+                other = store.get(self._grad_key(r, g))
+                read += len(other)
+                total += decode(other, s.compression)
+        assert self._opt is not None
+        self.outer.grad = total / len(members)
+        self._opt.step()
+        self.outer.grad = None
+        self._load_flat(self.outer)
+        if closer:
+            published += self._publish_state(r, step)
+            self._forget(r - 2)
+        if missing:
+            log.warning("DiLoCo: outer round %d averaged over %s; missing %s", r, ", ".join(members), ", ".join(missing))
+        return RoundRecord(r, step, members, missing, time.perf_counter() - t0, published, read, s.compression)
+
+    def _forget(self, r: int) -> None:
+        """Drop an old round's keys, where the store can (the newest state stays for rejoins)."""
+        delete = getattr(self.store, "delete_key", None)
+        if r < 1 or delete is None:
+            return
+        for key in [self._key("state", r), self._key("r", r, "members"), self._key("r", r, "close")]:
+            delete(key)
+        for g in self.regions:
+            delete(self._grad_key(r, g))
