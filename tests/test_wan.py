@@ -352,7 +352,7 @@ import json, socket, statistics, sys, time
 c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
 c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 rtts = []
-for i in range(6):
+for i in range(11):
     t0 = time.perf_counter()
     c.sendall(b"y" * 100)
     got = b""
@@ -392,8 +392,10 @@ def test_expose_serves_a_host_service_at_a_regions_address(two_regions: Rehearsa
             rtt[region] = json.loads(r.stdout) * 1000
         t.join(10)
     assert rtt[EU] < 10.0, rtt  # the region's own service: no link in between
-    assert rtt[US] == pytest.approx(40.0, rel=0.10), rtt
-    assert wan.counters()[(US, EU)][0] - before >= 6 * 100
+    # From another region: the link's 40 ms round trip is a floor; the relay's threads (in this
+    # busy test process) add their wake-ups on top, so the ceiling is looser than the RTT test's.
+    assert 40.0 * 0.97 <= rtt[US] <= 40.0 * 1.5, rtt
+    assert wan.counters()[(US, EU)][0] - before >= 11 * 100
     with pytest.raises(WanError, match="not a loopback address"):
         wan.expose(EU, 80, host="10.0.0.1")
 
