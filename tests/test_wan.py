@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -191,6 +192,7 @@ def test_cli_bad_matrix_is_one_line_exit_2(tmp_path: Path) -> None:
     assert r.stderr == f"geoshard: error: {path}:4: link[0].latency_ms: must be a number >= 0 and <= 10000, got 'far'\n"
 
 
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux) to drop capabilities")
 def test_without_root_one_line_and_exit_2(tmp_path: Path) -> None:
     # uid 0 without capabilities (an empty bounding set): what a user, or root in a locked-down container, has
     path = tmp_path / "wan.toml"

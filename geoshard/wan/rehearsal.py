@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 IFNAME = "wan0"
 MTU = 65000  # large packets keep the packet rate within what a Python forwarder moves
 SUBNET = "198.18.0"  # benchmarking range (RFC 2544), used only inside our namespaces
+MAX_REGIONS = 254  # one address each in SUBNET
 START_TIMEOUT = 15.0
 STOP_GRACE = 2.0
 CEILING_WINDOW = 0.4  # seconds per probe (small packets, then large ones)
@@ -97,6 +98,8 @@ class Rehearsal:
         self.matrix = matrix
         self._realtime = realtime
         self.regions: tuple[str, ...] = matrix.check_regions(matrix.regions if regions is None else regions)
+        if len(self.regions) > MAX_REGIONS:
+            raise WanError(f"a rehearsal holds at most {MAX_REGIONS} regions, got {len(self.regions)}")
         self._measure = measure_ceiling
         self._names: dict[str, str] = {}
         self._addresses = {r: f"{SUBNET}.{i + 1}" for i, r in enumerate(self.regions)}
