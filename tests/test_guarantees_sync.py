@@ -105,3 +105,20 @@ def test_local_etag_matches_the_servers_multipart_etag(tmp_path: Path, aws: Seaw
     assert e.hexdigest() == listed and listed.endswith("-3")
     (tmp_path / "small").write_bytes(data[:1000])
     assert etag_of(tmp_path / "small") == hashlib.md5(data[:1000]).hexdigest()
+
+
+def test_s5cmd_multipart_upload_lists_the_etag_sync_expects(tmp_path: Path, aws: SeaweedS3) -> None:
+    """Objects over s5cmd's part size go up in parts; sync's expected ETag must be the one listed."""
+    from geoshard.sync.remote import BucketTarget
+    from geoshard.sync.transfer import Transfer, Transferer
+    from geoshard.sync.verify_local import PART_SIZE
+
+    bucket = "gs-etag-s5cmd"
+    aws.make_bucket(bucket)
+    big = tmp_path / "big.tar"
+    big.write_bytes(os.urandom(PART_SIZE + 4096))
+    target = BucketTarget(EU, bucket, "train", aws.endpoint, None)
+    assert Transferer(workers=4).upload([Transfer(str(big), target.url("big.tar"), big.stat().st_size)], target) == {}
+    with contextlib.closing(aws.client()) as c:
+        listed = c.list_objects_v2(Bucket=bucket)["Contents"][0]["ETag"].strip('"')
+    assert listed.endswith("-2") and etag_of(big) == listed
