@@ -199,7 +199,7 @@ def synth(out: Path, fmt: str, samples: int, sample_bytes: int, shard_samples: i
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-out"), show_default=True)
 @click.option("--samples", type=click.IntRange(min=1), default=20_000, show_default=True)
 @click.option("--workers", "--split-workers", "workers", type=click.IntRange(min=1), help="Dask workers (default: one per core).")
-@click.option("--steps", type=click.IntRange(min=1), help="Training steps (default 600, or 100 under the WAN rehearsal).")
+@click.option("--steps", type=click.IntRange(min=1), help="Training steps (default 600, or 60 under the WAN rehearsal).")
 @click.option("--train/--no-train", default=True, help="--no-train: synthesize and split only.")
 @click.option(
     "--wan",
@@ -222,7 +222,7 @@ def demo(out: Path, samples: int, workers: int | None, steps: int | None, train:
     click.echo(f"geoshard demo: {samples:,} synthetic samples -> three regions under {out}/")
     matrix = _demo_matrix(wan, out) if train else None
     if steps is None:
-        steps = 100 if matrix is not None else 600  # under the WAN each step waits for the ocean
+        steps = 60 if matrix is not None else 600  # under the WAN each step waits for the ocean
     settings = DemoSettings(out=out, samples=samples, workers=workers, steps=steps, train=train, wan=matrix)
     with split_progress() as progress:
         result = run_demo(settings, progress=progress.update, echo=click.echo)
