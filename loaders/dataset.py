@@ -107,6 +107,15 @@ class RegionalDataset(IterableDataset[Any]):
     ``copy=False`` yields fields as read-only memoryviews of the mapped shard instead of ``bytes``
     (see ``shard.py`` for their lifetime). ``decode=TensorSpec(...)`` (with ``batch_size``) makes
     each batch a dict of tensors, decoded straight into one buffer (``decode.fill_batch``).
+
+    Who reads what: a region's samples go to that region's ranks only. ``topology=`` (a
+    ``Topology``, e.g. ``Topology.discover(region)`` inside the job) gives the rank's region, its
+    rank within the region and the region's rank count, and agrees the job-wide samples per rank
+    with the other ranks (collective: every rank builds its dataset). Without a live topology,
+    ``region_rank=``, ``region_size=`` and ``samples_per_rank=`` say the same (``rank=`` and
+    ``world_size=`` are their older names). With none of them, under torch.distributed, a
+    single-region job uses the global rank and world size; a job whose ranks span regions is a
+    ``ConfigError`` saying what to pass.
     """
 
     def __init__(
