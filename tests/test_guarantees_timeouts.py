@@ -132,7 +132,12 @@ def test_loader_fails_over_from_a_hanging_bucket_within_the_bound(tmp_path: Path
     )
     plan.write_text(text)
     attempts, timeout = 2, T
-    settings = ChainSettings(timeouts=(("s3", timeout),), backoff=Backoff(attempts=attempts, base=0.1, cap=0.2, jitter=0), writeback=False)
+    settings = ChainSettings(
+        timeouts=(("s3", timeout),),
+        backoff=Backoff(attempts=attempts, base=0.1, cap=0.2, jitter=0),
+        writeback=False,
+        allow_cross_region=True,
+    )
     chain = build_chain(load_plan(plan), EU, settings)
     t0 = time.monotonic()
     manifest = chain.read_manifest()
