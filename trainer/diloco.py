@@ -55,9 +55,9 @@ class OuterSyncError(GeoshardError):
 class Store(Protocol):
     """What the outer exchange needs from a store; ``torch.distributed.TCPStore`` has it."""
 
-    def set(self, key: str, value: bytes | str) -> None: ...
+    def set(self, key: str, value: Any) -> None: ...  # bytes or str (TCPStore's stub says str; it takes both)
     def get(self, key: str) -> bytes: ...
-    def add(self, key: str, amount: int) -> int: ...
+    def add(self, key: str, value: int) -> int: ...
     def check(self, keys: list[str]) -> bool: ...
 
 
@@ -175,9 +175,7 @@ class DiLoCo:
     def _set_outer(self, flat: torch.Tensor, momentum: torch.Tensor | None) -> None:
         s = self.sync
         self._outer = flat.detach().clone()
-        self._opt = torch.optim.SGD(
-            [self._outer], lr=s.outer_lr, momentum=s.outer_momentum, nesterov=s.nesterov and s.outer_momentum > 0
-        )
+        self._opt = torch.optim.SGD([self._outer], lr=s.outer_lr, momentum=s.outer_momentum, nesterov=s.nesterov and s.outer_momentum > 0)
         if momentum is not None:
             self._opt.state[self._outer]["momentum_buffer"] = momentum.clone()
 
@@ -214,16 +212,16 @@ class DiLoCo:
         self._set_outer(state["params"], state["momentum"])
         return int(state["round"]), int(state["step"]), len(payload)
 
-    def _adopt_latest(self, at_least: int) -> tuple[int, int]:
-        """Load the newest published state once it is round ``at_least`` or later: (its round, bytes read)."""
+    def _adopt_latest(self, at_least: int) -> tuple[int, int, int]:
+        """Load the newest published state once it is round ``at_least`` or later: (its round, its step, bytes read)."""
         deadline = time.monotonic() + self.sync.round_timeout_s
         while True:
             latest = self._latest()
             if latest is not None and latest >= at_least:
                 with contextlib.suppress(KeyError):  # a newer round's closer may have just dropped it
-                    r, _, nbytes = self._load_state(latest)
+                    r, step, nbytes = self._load_state(latest)
                     self._load_flat(self.outer)
-                    return r, nbytes
+                    return r, step, nbytes
             if time.monotonic() > deadline:
                 raise OuterSyncError(f"DiLoCo: no outer state of round {at_least} or later within {self.sync.round_timeout_s:g} s")
             time.sleep(POLL_S)
@@ -274,7 +272,10 @@ class DiLoCo:
                 self._wait_key(self._key("latest"), self.sync.join_timeout_s, "the job's first outer state")
                 latest = self._latest()
                 assert latest is not None
-            r, step, nbytes = (0, 0, 0) if created else self._load_state(latest)
+            if created:
+                r, step, nbytes = 0, 0, 0
+            else:
+                r, step, nbytes = self._adopt_latest(latest)
             self._load_flat(self.outer)
             self.round = r + 1
             # The others wait for this region from the round after the one it starts from.
@@ -305,16 +306,31 @@ class DiLoCo:
         return rec
 
     def _expected(self, r: int) -> list[str]:
+        """The members of round ``r-1``, and every region that announced it is back from round ``r`` or
+        earlier (a closer withdraws the announcement of a region it waited for in vain)."""
         assert self.store is not None
-        key = self._key("r", r - 1, "members")
-        members = self.store.get(key).decode().split(",") if self.store.check([key]) else list(self.regions)
+        members = self._members(r - 1) or self.regions
         out = []
         for region in self.regions:
             jk = self._key("joined", region)
-            # A rejoining region announces its first round; a stale announcement (a region lost since) is not waited for.
-            if region in members or (self.store.check([jk]) and int(self.store.get(jk)) == r):
+            if region in members or (self.store.check([jk]) and 0 <= int(self.store.get(jk)) <= r):
                 out.append(region)
         return out
+
+    def _members(self, r: int) -> tuple[str, ...] | None:
+        assert self.store is not None
+        key = self._key("r", r, "members")
+        return tuple(self.store.get(key).decode().split(",")) if self.store.check([key]) else None
+
+    def _close(self, r: int, expected: list[str]) -> None:
+        """Write round ``r``'s members: the regions whose pseudo-gradient is there now."""
+        store = self.store
+        assert store is not None
+        present = [g for g in self.regions if store.check([self._grad_key(r, g)])]
+        for g in expected:
+            if g not in present:  # lost, or too slow: not waited for again until it announces itself
+                store.set(self._key("joined", g), "-1")
+        store.set(self._key("r", r, "members"), ",".join(present))  # last: a late region re-announces only after this
 
     def _leader_round(self, step: int, t0: float) -> RoundRecord:
         store, s, r = self.store, self.sync, self.round
@@ -323,28 +339,34 @@ class DiLoCo:
         payload = encode(self.outer - self._flat(), s.compression)
         published = len(payload)
         store.set(self._grad_key(r, self.region), payload)
-        expected = [self._grad_key(r, region) for region in self._expected(r)]
-        members_key = self._key("r", r, "members")
+        expected = self._expected(r)
+        expected_keys = [self._grad_key(r, g) for g in expected]
         deadline = time.monotonic() + s.round_timeout_s
         closer = False
-        while not store.check([members_key]):
-            if store.check(expected) or time.monotonic() > deadline:
-                if store.add(self._key("r", r, "close"), 1) == 1:
-                    present = [g for g in self.regions if store.check([self._grad_key(r, g)])]
-                    store.set(members_key, ",".join(present))
-                    closer = True
-                else:  # another leader is closing; it writes the members next
-                    self._wait_key(members_key, s.round_timeout_s, f"round {r}'s members")
+        members: tuple[str, ...] | None = None
+        while True:
+            members = self._members(r)
+            if members is not None:
                 break
+            latest = self._latest()
+            if latest is not None and latest >= r:  # closed long ago and forgotten: this region is rounds behind
+                break
+            if time.monotonic() > deadline + s.round_timeout_s:
+                raise OuterSyncError(f"DiLoCo: round {r} was neither closed nor published within {2 * s.round_timeout_s:g} s")
+            if (store.check(expected_keys) or time.monotonic() > deadline) and store.add(self._key("r", r, "close"), 1) == 1:
+                self._close(r, expected)
+                closer = True
+                continue
             time.sleep(POLL_S)
-        members = tuple(store.get(members_key).decode().split(","))
-        missing = tuple(g for g in self.regions if g not in members)
-        if self.region not in members:
+        missing = tuple(g for g in self.regions if members is None or g not in members)
+        if members is None or self.region not in members:
             # Too late for this round: take the newest published result, and go on from there.
-            adopted, nbytes = self._adopt_latest(r)
+            adopted, _, nbytes = self._adopt_latest(r)
             store.set(self._key("joined", self.region), str(adopted + 1))
             log.warning("DiLoCo: region %s missed outer round %d; it continues from round %d's published state", self.region, r, adopted)
-            return RoundRecord(adopted, step, members, missing, time.perf_counter() - t0, published, nbytes, s.compression, adopted=True)
+            took = self._members(adopted)  # the record describes the round whose result this region now holds
+            missing = tuple(g for g in self.regions if took is not None and g not in took)
+            return RoundRecord(adopted, step, took or (), missing, time.perf_counter() - t0, published, nbytes, s.compression, adopted=True)
         total = torch.zeros_like(self.outer)
         read = 0
         for g in members:  # job order: every leader sums the same values in the same order
