@@ -152,6 +152,7 @@ class TrainProgress:
                 self.files[p] = (p.stat().st_ino, 0, _max_segment(p) + 1)
         self.step, self.loss = 0, float("nan")
         self.window = {"samples": 0, "wait": 0.0, "busy": 0.0}
+        self.first_seen: float | None = None  # when this run's first step record was read
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="geoshard-train-progress", daemon=True)
         self.bar = Progress(
@@ -179,16 +180,16 @@ class TrainProgress:
         self.thread.join(5)
         if self.terminal:
             self.poll()
-            self._draw(0.0)
+            self._draw()
         self.bar.stop()
 
     def _run(self) -> None:
-        last = started = time.monotonic()
+        last = time.monotonic()
         while not self.stop.wait(self.poll_s):
             self.poll()
             now = time.monotonic()
             if self.terminal:
-                self._draw(now - started)
+                self._draw()
             elif now - last >= self.every_s and self.window["busy"] > 0:
                 click.echo(self.line(now - last))
                 last = now
@@ -217,6 +218,8 @@ class TrainProgress:
             self.files[p] = (inode, offset + end, first)
 
     def _add(self, rec: dict[str, Any], rank0: bool) -> None:
+        if self.first_seen is None:
+            self.first_seen = time.monotonic()
         self.step = max(self.step, int(rec["step"]))
         if rank0 and isinstance(rec.get("loss"), int | float):
             self.loss = float(rec["loss"])
@@ -228,14 +231,19 @@ class TrainProgress:
         w = self.window
         share = w["wait"] / w["busy"] if w["busy"] else 0.0
         return (
-            f"step {self.step:,}/{self.steps:,}  loss {self.loss:.4g}  {w['samples'] / max(seconds, 1e-9):,.0f} samples/s  "
+            f"step {self.step:,}/{self.steps:,}  loss {self._loss()}  {w['samples'] / max(seconds, 1e-9):,.0f} samples/s  "
             f"data wait {share:.1%}"
         )
 
-    def _draw(self, elapsed: float) -> None:
+    def _loss(self) -> str:
+        return f"{self.loss:.4g}" if self.loss == self.loss else "-"  # NaN: no loss (--model none) or none yet
+
+    def _draw(self) -> None:
+        """The bar: samples/s since this run's first step (the window holds them all on a terminal)."""
         w = self.window
-        fields: dict[str, Any] = {"loss": f"{self.loss:.4g}"}
-        if w["busy"]:
+        elapsed = time.monotonic() - self.first_seen if self.first_seen is not None else 0.0
+        fields: dict[str, Any] = {"loss": self._loss()}
+        if w["busy"] and elapsed >= 1.0:  # a rate over less than a second says little
             fields.update(rate=f"{w['samples'] / max(elapsed, 1e-9):,.0f} samples/s", wait=f"{w['wait'] / w['busy']:.1%}")
         self.bar.update(self.task, completed=self.step, **fields)
 

@@ -790,3 +790,15 @@ def test_grafana_dashboard_queries_against_prometheus_scraping_a_training_run(co
         finally:
             prom.terminate()
             prom.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_train_draws_a_progress_bar_on_a_terminal(corpus_plan: Path, tmp_path: Path) -> None:
+    args = ("--model", "none", "--step-time", "100ms", "--steps", "40")
+    drawn = _on_a_terminal("train", "--plan", corpus_plan, *TRAIN, *args, "--out", tmp_path / "run", cwd=tmp_path)
+    frames = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", drawn)
+    bars = re.findall(r"train [━╸╺ ]+ step (\d+)/40  loss -  ([\d,]+) samples/s  data wait ([\d.]+)%", frames)
+    assert bars and int(bars[-1][0]) == 40, frames[-3000:]  # the bar ends at the last step
+    assert any(0 < int(step) < 40 for step, _, _ in bars), bars  # and moved while training
+    assert all(int(rate.replace(",", "")) < 10_000 for _, rate, _ in bars), bars  # 2 ranks x 16 samples per 100 ms
+    assert "IO wait: " in frames  # then the report
