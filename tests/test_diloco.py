@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from geoshard.trainer.diloco import DiLoCo, OuterSync, RoundRecord, connect_store, decode, encode, host_store
+from geoshard.trainer.diloco import DiLoCo, OuterSync, OuterSyncError, RoundRecord, connect_store, decode, encode, host_store
 from torch import nn
 
 from geoshard.errors import ConfigError
@@ -66,6 +66,15 @@ def test_outer_sync_settings_are_checked_with_one_line_naming_the_field() -> Non
         assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="not one of the job's regions"):
         DiLoCo(nn.Linear(2, 2), OuterSync(), "mars-1", REGIONS)
+    with pytest.raises(ConfigError, match="distinct names"):
+        DiLoCo(nn.Linear(2, 2), OuterSync(), "a,b", ("a,b", "c"))
+
+
+def test_an_unreachable_store_is_one_line_naming_it_within_the_timeout() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(OuterSyncError, match=rf"cannot reach the outer store at 127.0.0.1:{(port := _port())} within 2 s") as e:
+        connect_store("127.0.0.1", port, timeout_s=2)
+    assert "\n" not in str(e.value) and time.monotonic() - t0 < 30
 
 
 @pytest.mark.parametrize("compression", ["fp16", "bf16", "none"])
@@ -181,30 +190,34 @@ def _until(what: str, cond: Any, timeout: float = 120) -> None:
 
 
 def test_a_killed_region_is_averaged_out_and_rejoins_from_the_published_outer_state(tmp_path: Path) -> None:
-    """SIGKILL eu-west-1 mid-run: us-east-1 goes on in the same process, losing at most the round in
-    flight (one wait of round_timeout_s), then no longer waits. eu-west-1 restarted starts from the
-    newest published outer parameters (the same bytes us-east-1 holds after that round) and takes
-    part in the rounds again."""
+    """SIGKILL both ranks of eu-west-1 (in-region DDP) mid-run: us-east-1 goes on in the same
+    process, losing at most the round in flight (one wait of round_timeout_s), then no longer
+    waits. eu-west-1 restarted starts from the newest published outer parameters (the same bytes
+    us-east-1 holds after that round, on both of its ranks) and takes part in the rounds again."""
     server = host_store()
-    a_log, b_log = tmp_path / "us-east-1.jsonl", tmp_path / "eu-west-1.jsonl"
+    a_log, b_log, b1_log = (tmp_path / f"{name}.jsonl" for name in ("us-east-1-0", "eu-west-1-0", "eu-west-1-1"))
     a = start("chaos", REGIONS[0], 0, 1, _port(), server.port, tmp_path)
-    b = start("chaos", REGIONS[1], 0, 1, _port(), server.port, tmp_path)
-    procs = [a, b]
+    port = _port()
+    b = [start("chaos", REGIONS[1], r, 2, port, server.port, tmp_path) for r in (0, 1)]
+    procs = [a, *b]
     try:
         _until("eu-west-1's second round", lambda: len([r for r in _lines(b_log) if "round" in r]) >= 2)
-        os.kill(b.pid, signal.SIGKILL)
-        b.wait(10)
+        for p in b:
+            os.kill(p.pid, signal.SIGKILL)  # a spot reclaim: every rank of the region at once
+        for p in b:
+            p.wait(10)
         _until("us-east-1 rounds without eu-west-1", lambda: sum(r.get("missing") == ["eu-west-1"] for r in _lines(a_log)) >= 3)
-        b2 = start("chaos", REGIONS[1], 0, 1, _port(), server.port, tmp_path)
-        procs.append(b2)
+        port = _port()
+        b2 = [start("chaos", REGIONS[1], r, 2, port, server.port, tmp_path) for r in (0, 1)]
+        procs += b2
 
         def rejoined() -> bool:
-            lines = [r for r in _lines(b_log) if r["pid"] == b2.pid and "round" in r and not r["adopted"]]
+            lines = [r for r in _lines(b_log) if r["pid"] == b2[0].pid and "round" in r and not r["adopted"]]
             return len(lines) >= 2
 
         _until("eu-west-1 back in two rounds", rejoined)
         server.set("chaos/stop", "1")
-        finish([a, b2], tmp_path, timeout=60)
+        finish([a, *b2], tmp_path, timeout=60)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -215,16 +228,22 @@ def test_a_killed_region_is_averaged_out_and_rejoins_from_the_published_outer_st
     a_rounds = [r for r in a_lines if "round" in r]
     assert [r["round"] for r in a_rounds] == list(range(1, len(a_rounds) + 1))  # and lost no round
     by_round = {r["round"]: r for r in a_rounds}
-    killed_after = max(r["round"] for r in _lines(b_log) if r["pid"] == b.pid and "round" in r)
-    b_lines = [r for r in _lines(b_log) if r["pid"] == b2.pid]
+    killed_after = max(r["round"] for r in _lines(b_log) if r["pid"] == b[0].pid and "round" in r)
+    b_lines = [r for r in _lines(b_log) if r["pid"] == b2[0].pid]
     join = b_lines[0]
     assert "join" in join and join["join"] > killed_after + 1
-    alone = [by_round[n] for n in range(killed_after + 1, join["join"] + 1)]  # from the kill to the state eu-west-1 rejoined from
+    # The round in flight at the kill (the next, or the one after if eu-west-1 had published it).
+    first = min(n for n in range(killed_after + 1, join["join"] + 1) if by_round[n]["missing"] == ["eu-west-1"])
+    assert first <= killed_after + 2
+    alone = [by_round[n] for n in range(first, join["join"] + 1)]  # from the kill to the state eu-west-1 rejoined from
     assert all(r["regions"] == ["us-east-1"] and r["missing"] == ["eu-west-1"] for r in alone), alone
     assert alone[0]["sync_s"] >= 2.5  # the round in flight waited for the lost region (round_timeout_s 3)...
     assert all(r["sync_s"] < 2.5 for r in alone[1:])  # ...the next ones did not
     assert join["digest"] == by_round[join["join"]]["digest"]  # live recovery: the published outer parameters
+    second_lines = [r for r in _lines(b1_log) if r["pid"] == b2[1].pid]
+    assert "join" in second_lines[0] and second_lines[0]["digest"] == join["digest"]  # broadcast in the region
+    second = {r["round"]: r for r in second_lines[1:]}
     back = [r for r in b_lines[1:] if not r["adopted"]][:2]  # the two seen before the stop (a later one may run alone)
     for r in back:
         assert r["regions"] == list(REGIONS) and by_round[r["round"]]["regions"] == list(REGIONS)
-        assert r["digest"] == by_round[r["round"]]["digest"]  # both regions hold the same outer parameters again
+        assert r["digest"] == by_round[r["round"]]["digest"] == second[r["round"]]["digest"]  # one set of outer parameters

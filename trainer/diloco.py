@@ -112,16 +112,21 @@ def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 300.0)
 
 def connect_store(host: str, port: int, timeout_s: float = 60.0) -> dist.TCPStore:
     """A region leader's connection; every call on it is bounded by ``timeout_s``."""
-    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as e:  # DistStoreError is a RuntimeError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OuterSyncError(f"DiLoCo: cannot reach the outer store at {host}:{port} within {timeout_s:g} s ({first})") from e
 
 
 def encode(delta: torch.Tensor, compression: str) -> bytes:
     """A flat fp32 tensor → the bytes published (cast to the compression's dtype)."""
-    t = delta.detach().to(COMPRESSIONS[compression]).contiguous()
+    t = delta.detach().to(COMPRESSIONS[compression]).contiguous().cpu()
     return t.view(torch.uint8).numpy().tobytes()
 
 
 def decode(payload: bytes, compression: str) -> torch.Tensor:
+    """The published bytes → a flat fp32 tensor on the CPU."""
     dtype = COMPRESSIONS[compression]
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).to(torch.float32)
 
@@ -138,6 +143,9 @@ class DiLoCo:
     def __init__(
         self, model: nn.Module, sync: OuterSync, region: str, regions: Sequence[str], group: Any = None, prefix: str = "diloco"
     ) -> None:
+        bad = [g for g in regions if not g or "," in g or "/" in g]
+        if bad or len(set(regions)) != len(regions):
+            raise ConfigError(f"DiLoCo: the job's regions must be distinct names without ',' or '/', got {', '.join(regions)}")
         if region not in regions:
             raise ConfigError(f"region {region!r} is not one of the job's regions ({', '.join(regions)})")
         self.model = model
@@ -208,7 +216,7 @@ class DiLoCo:
         if not self.store.check([self._key("state", r)]):
             raise KeyError(r)
         payload = self.store.get(self._key("state", r))
-        state = torch.load(io.BytesIO(payload), weights_only=True)
+        state = torch.load(io.BytesIO(payload), weights_only=True, map_location=self.params[0].device)
         self._set_outer(state["params"], state["momentum"])
         return int(state["round"]), int(state["step"]), len(payload)
 
@@ -371,11 +379,11 @@ class DiLoCo:
         read = 0
         for g in members:  # job order: every leader sums the same values in the same order
             if g == self.region:
-                total += decode(payload, s.compression)
+                total += decode(payload, s.compression).to(total.device)
             else:
                 other = store.get(self._grad_key(r, g))
                 read += len(other)
-                total += decode(other, s.compression)
+                total += decode(other, s.compression).to(total.device)
         assert self._opt is not None
         self.outer.grad = total / len(members)
         self._opt.step()

@@ -7,7 +7,7 @@ argv: MODE REGION REGION_RANK REGION_SIZE REGION_PORT STORE_PORT OUT
          then the same with outer lr 0.7 (which must not match)
   loss   H=5 with the paper's outer settings and fp16; the first region writes the eval loss per round
   chaos  paced rounds until the store holds ``stop``; one JSON line per round (pid, digest of the
-         parameters) in OUT/REGION.jsonl; the test kills and restarts a region
+         parameters) in OUT/REGION-RANK.jsonl; the test kills and restarts a region
 """
 
 from __future__ import annotations
@@ -137,8 +137,7 @@ def loss(job: Region) -> None:
 def chaos(job: Region) -> None:
     sync = OuterSync(outer_steps=5, compression="fp16", round_timeout_s=3.0, join_timeout_s=60)
     model, wrapped, diloco = job.trainer(sync, "chaos", lr=0.05)
-    assert job.store is not None
-    log = (job.out / f"{job.region}.jsonl").open("a")
+    log = (job.out / f"{job.region}-{job.rank}.jsonl").open("a")
 
     def write(line: dict[str, Any]) -> None:
         log.write(json.dumps({"pid": os.getpid(), "digest": digest(model), **line}) + "\n")
@@ -151,7 +150,10 @@ def chaos(job: Region) -> None:
         rec = diloco.maybe_sync(step)
         if rec is not None:
             write(record(rec))
-            if job.store.check(["chaos/stop"]):
+            stop = [job.store.check(["chaos/stop"]) if job.store is not None else None]
+            if job.group is not None:
+                dist.broadcast_object_list(stop, group=job.group, group_src=0)
+            if stop[0]:
                 break
     log.close()
 
