@@ -4,6 +4,7 @@ launcher does (it outlives every region)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -171,7 +172,8 @@ def test_with_h5_the_loss_goes_down_and_the_regions_agree(tmp_path: Path) -> Non
     a, b = (json.loads((tmp_path / f"loss-{g}.json").read_text()) for g in REGIONS)
     losses = a["eval_loss"]
     assert len(losses) == 11  # before, and after each of the 10 rounds
-    assert losses[-1] < 0.6 * losses[0], losses
+    assert losses[-1] < 0.3 * losses[0], losses  # measured: 1.39 → 0.23
+    assert all(later <= earlier + 0.01 for earlier, later in itertools.pairwise(losses)), losses  # no round undoes progress
     assert a["digest"] == b["digest"]
     assert all(r["bytes_read"] > 0 and r["compression"] == "fp16" and r["missing"] == [] for r in a["records"])
 

@@ -5,7 +5,7 @@ argv: MODE REGION REGION_RANK REGION_SIZE REGION_PORT STORE_PORT OUT
   equiv  H=1, outer lr 1 and momentum 0, inner SGD: rank 0 of the first region also trains the
          synchronous data-parallel reference on the whole global batch and writes the distance;
          then the same with outer lr 0.7 (which must not match)
-  loss   H=5 with the paper's outer settings and fp16; the first region writes the eval loss per round
+  loss   H=5, inner AdamW, the paper's outer settings and fp16; each region writes the eval loss per round
   chaos  paced rounds until the store holds ``stop``; one JSON line per round (pid, digest of the
          parameters) in OUT/REGION-RANK.jsonl; the test kills and restarts a region
 """
@@ -70,12 +70,13 @@ class Region:
             self.group = dist.group.WORLD
         self.store = connect_store("127.0.0.1", self.store_port, timeout_s=30) if self.rank == 0 else None
 
-    def trainer(self, sync: OuterSync, prefix: str, lr: float, momentum: float = 0.0) -> tuple[nn.Module, nn.Module, DiLoCo]:
+    def trainer(self, sync: OuterSync, prefix: str, lr: float, adamw: bool = False) -> tuple[nn.Module, nn.Module, DiLoCo]:
         model = make_model()
         wrapped = DDP(model, process_group=self.group) if self.group is not None else model
         diloco = DiLoCo(model, sync, self.region, REGIONS, group=self.group, prefix=prefix)
         diloco.join(self.store)
-        self.opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        params = list(model.parameters())
+        self.opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=lr) if adamw else torch.optim.SGD(params, lr=lr)
         return model, wrapped, diloco
 
     def inner_step(self, wrapped: nn.Module, step: int) -> float:
@@ -115,7 +116,7 @@ def equiv(job: Region) -> None:
 
 def loss(job: Region) -> None:
     sync = OuterSync(outer_steps=5, compression="fp16", round_timeout_s=60)
-    model, wrapped, diloco = job.trainer(sync, "loss", lr=0.05, momentum=0.9)
+    model, wrapped, diloco = job.trainer(sync, "loss", lr=1e-2, adamw=True)  # the paper's inner optimizer
     g = torch.Generator().manual_seed(99)
     ex = torch.randn(512, IN, generator=g)
     ey = (ex @ teacher()).argmax(1)
