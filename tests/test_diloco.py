@@ -71,6 +71,23 @@ def test_outer_sync_settings_are_checked_with_one_line_naming_the_field() -> Non
         DiLoCo(nn.Linear(2, 2), OuterSync(), "a,b", ("a,b", "c"))
 
 
+def test_a_region_with_other_outer_settings_or_another_model_is_refused_at_join() -> None:
+    server = host_store()
+    first = DiLoCo(nn.Linear(3, 2), OuterSync(outer_steps=5), REGIONS[0], REGIONS)
+    assert first.join(connect_store("127.0.0.1", server.port)).created
+    for model, sync, what in (
+        (
+            nn.Linear(3, 2),
+            OuterSync(outer_steps=7, compression="bf16"),
+            "outer_steps 7 (the job has 5); compression bf16 (the job has fp16)",
+        ),
+        (nn.Linear(4, 2), OuterSync(outer_steps=5), "parameters 10 (the job has 8)"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            DiLoCo(model, sync, REGIONS[1], REGIONS).join(connect_store("127.0.0.1", server.port))
+        assert str(e.value) == f"DiLoCo: region eu-west-1 does not match the job's outer settings: {what}"
+
+
 def test_an_unreachable_store_is_one_line_naming_it_within_the_timeout() -> None:
     t0 = time.monotonic()
     with pytest.raises(OuterSyncError, match=rf"cannot reach the outer store at 127.0.0.1:{(port := _port())} within 2 s") as e:

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import datetime
 import io
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -261,6 +262,30 @@ class DiLoCo:
         return box[0]
 
     # -- join -------------------------------------------------------------------------------
+    def _contract(self) -> dict[str, Any]:
+        """What every region of the job must agree on (timeouts may differ)."""
+        s = self.sync
+        return {
+            "regions": list(self.regions),
+            "parameters": sum(p.numel() for p in self.params),
+            "outer_steps": s.outer_steps,
+            "outer_lr": s.outer_lr,
+            "outer_momentum": s.outer_momentum,
+            "nesterov": s.nesterov,
+            "compression": s.compression,
+        }
+
+    def _check_contract(self) -> None:
+        assert self.store is not None
+        key = self._key("config")
+        if not self.store.check([key]):
+            return
+        theirs = json.loads(self.store.get(key))
+        ours = self._contract()
+        diff = [f"{k} {ours[k]} (the job has {theirs.get(k)})" for k in ours if theirs.get(k) != ours[k]]
+        if diff:
+            raise ConfigError(f"DiLoCo: region {self.region} does not match the job's outer settings: {'; '.join(diff)}")
+
     def join(self, store: Store | None) -> JoinRecord:
         """Start from the newest published outer state (a region restarting: live recovery), or, in a
         fresh job, the first region publishes its own parameters as round 0 and the others take them."""
@@ -273,6 +298,7 @@ class DiLoCo:
             created = False
             if latest is None and self.region == self.regions[0] and store.add(self._key("created"), 1) == 1:
                 self._set_outer(self._flat(), None)
+                store.set(self._key("config"), json.dumps(self._contract()))
                 store.set(self._key("r", 0, "members"), ",".join(self.regions))
                 self._publish_state(0, 0)
                 latest, created = 0, True
@@ -283,6 +309,7 @@ class DiLoCo:
             if created:
                 r, step, nbytes = 0, 0, 0
             else:
+                self._check_contract()
                 r, step, nbytes = self._adopt_latest(latest)
             self._load_flat(self.outer)
             self.round = r + 1
@@ -383,6 +410,10 @@ class DiLoCo:
             else:
                 other = store.get(self._grad_key(r, g))
                 read += len(other)
+                if len(other) != len(payload):  # the contract check at join makes this a store gone wrong
+                    raise OuterSyncError(
+                        f"DiLoCo: region {g}'s pseudo-gradient for round {r} has {len(other)} bytes, expected {len(payload)}"
+                    )
                 total += decode(other, s.compression).to(total.device)
         assert self._opt is not None
         self.outer.grad = total / len(members)
