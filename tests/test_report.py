@@ -168,7 +168,10 @@ def test_shares_breakdown_and_loader_totals(tmp_path: Path) -> None:
 
     assert r["time_to_first_batch_s"] == 2.0
     assert r["steps"] == 10 and r["step_first"] == 0 and r["step_last"] == 9 and r["samples"] == 640
-    assert r["region"] == "eu-west-1" and r["regions"] == ["eu-west-1"]
+    assert r["region"] == "eu-west-1" and list(r["regions"]) == ["eu-west-1"]
+    eu = r["regions"]["eu-west-1"]
+    assert eu["ranks"] == 2 and eu["global_ranks"] == [0, 1] and eu["samples"] == 640
+    assert eu["io_wait_share"] == r["io_wait_share"] and eu["time_to_first_batch_s"] == 2.0
     assert r["loss_first"] == pytest.approx(2.005) and r["loss_last"] == pytest.approx(1.105)
     assert r["tiers"]["local"]["hits"] == 16 and r["tiers"]["local"]["bytes"] == 16_000_000
     assert r["tiers"]["s3:us-east-1"]["fetch_seconds_mean"] == pytest.approx(0.3)
