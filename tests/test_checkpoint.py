@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 import torch
 from geoshard.trainer import checkpoint
@@ -285,3 +286,26 @@ def test_s3_unreachable_endpoint_retries_then_names_it(aws: SeaweedS3, caplog: p
     assert sleeps == [0.1, 0.2]
     assert str(err.value).startswith(f"s3://any/run at http://127.0.0.1:{port}: reading latest.json failed after 3 attempts")
     assert aws.secret_key not in str(err.value) and aws.secret_key not in caplog.text
+
+
+def test_the_trainer_hands_the_checkpoint_buckets_region_to_its_store(tmp_path: Path) -> None:
+    """Ranks in eu-west-1 writing checkpoints to a us-east-1 bucket sign for us-east-1, not for their own AWS_REGION."""
+    from click.testing import CliRunner
+    from geoshard.trainer.config import TrainConfig
+    from geoshard.trainer.options import config_from, train_options
+
+    seen: list[TrainConfig] = []
+
+    @click.command()
+    @train_options
+    def probe(**kwargs: Any) -> None:
+        seen.append(config_from(**kwargs))
+
+    plan = tmp_path / "plan.toml"
+    plan.write_text('[regions.eu-west-1]\nweight = 1\nlocal = "x"\n')
+    argv = ["--plan", str(plan), "--steps", "1", "--out", str(tmp_path / "run"), "--checkpoint", "s3://ckpt/run"]
+    r = CliRunner().invoke(probe, [*argv, "--checkpoint-region", "us-east-1"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    cfg = seen[0]
+    assert cfg.checkpoint_region == "us-east-1"
+    assert cfg.to_argv()[cfg.to_argv().index("--checkpoint-region") + 1] == "us-east-1", "passed on to torchrun's ranks"

@@ -41,6 +41,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     checkpoint_keep: int = 2
     checkpoint_endpoint: str | None = None
+    checkpoint_region: str | None = None  # the s3:// checkpoint bucket's AWS region (None: the SDK's, e.g. AWS_REGION)
     resume: bool = False
     backend: str = "auto"
     nccl_algo: str | None = None

@@ -149,7 +149,9 @@ def _train(cfg: TrainConfig, ctx: RankContext) -> dict[str, Any]:
     ds = loader.dataset
     if rank == 0:
         _announce(cfg, ctx, ds.balance, sync)
-    store = CheckpointStore(cfg.checkpoint_target, keep=cfg.checkpoint_keep, endpoint_url=cfg.checkpoint_endpoint)
+    store = CheckpointStore(
+        cfg.checkpoint_target, keep=cfg.checkpoint_keep, endpoint_url=cfg.checkpoint_endpoint, region=cfg.checkpoint_region
+    )
     step = 0
     if cfg.resume and (latest := store.load_latest()) is not None:
         step, state = latest

@@ -50,6 +50,10 @@ _OPTIONS = [
     click.option("--checkpoint-every", default=50, show_default=True, type=int),
     click.option("--checkpoint-keep", default=2, show_default=True, type=int),
     click.option("--checkpoint-endpoint", help="S3 endpoint for an s3:// --checkpoint."),
+    click.option(
+        "--checkpoint-region",
+        help="AWS region of an s3:// --checkpoint bucket (default: the SDK's, e.g. AWS_REGION); ranks in other regions need it.",
+    ),
     click.option("--resume/--no-resume", default=False, help="Continue from the latest checkpoint if there is one."),
     click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True, help="auto: nccl on CUDA, else gloo."),
     click.option("--nccl-algo", type=click.Choice(NCCL_ALGOS), help="NCCL_ALGO (Tree suits long, high-latency links)."),
