@@ -36,7 +36,10 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path: Path) -> None:
     # needed to import them, which is also what training images rely on.
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, capture_output=True, timeout=300)
     subprocess.run(
-        [str(py), "-m", "pip", "install", "-q", "click", "google-crc32c", "numpy", "rich"], check=True, capture_output=True, timeout=600
+        [str(py), "-m", "pip", "install", "-q", "click", "google-crc32c", "numpy", "rich", "xxhash"],
+        check=True,
+        capture_output=True,
+        timeout=600,
     )
     code = "import geoshard.loaders, geoshard.trainer, geoshard; print(geoshard.loaders.__file__)"
     out = subprocess.run([str(py), "-c", code], check=True, capture_output=True, text=True, timeout=60, cwd=tmp_path).stdout

@@ -21,7 +21,11 @@ def main(**kwargs: Any) -> None:
     from geoshard.trainer.failures import record_failure
     from geoshard.trainer.loop import train
 
-    cfg = config_from(**kwargs)
+    try:
+        cfg = config_from(**kwargs)
+    except GeoshardError as e:  # geoshard train checks the options before launch; torchrun users see this line
+        click.echo(f"geoshard.trainer: error: {e.message}", err=True)
+        sys.exit(e.exit_code)
     try:
         train(cfg)
     except GeoshardError as e:

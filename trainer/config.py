@@ -67,7 +67,7 @@ class TrainConfig:
             raise ConfigError(f"--sync must be one of {', '.join(SYNCS)}, got {self.sync!r}")
         if not 0 < self.budget < 1:
             raise ConfigError(f"--budget must lie between 0 and 1, got {self.budget}")
-        for name, low in (("num_workers", 0), ("prefetch", 1), ("shuffle_buffer", 0), ("fp32_after", 0)):
+        for name, low in (("num_workers", 0), ("prefetch", 0), ("shuffle_buffer", 1), ("fp32_after", 0)):
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
