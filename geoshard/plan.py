@@ -11,11 +11,11 @@ import hashlib
 import json
 import math
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from geoshard import tomlfile
 from geoshard.errors import ConfigError
 from geoshard.paths import plain_relative
 from geoshard.units import parse_size
@@ -141,22 +141,11 @@ def _digest(d: dict[str, Any]) -> str:
 
 
 def load_plan(path: str | Path) -> Plan:
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: plan file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p}: cannot read plan: {e}") from e
-    return parse_plan(text, source=str(p))
+    return parse_plan(tomlfile.read_text(path, "plan"), source=str(Path(path)))
 
 
 def parse_plan(text: str, source: str = "plan") -> Plan:
-    try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{source}: invalid TOML: {e}") from e
-    return plan_from_dict(doc, source=source, text=text)
+    return plan_from_dict(tomlfile.loads(text, source), source=source, text=text)
 
 
 def plan_from_dict(doc: dict[str, Any], source: str = "plan", text: str | None = None) -> Plan:

@@ -20,12 +20,12 @@ from __future__ import annotations
 import math
 import os
 import re
-import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from geoshard import tomlfile
 from geoshard.errors import ConfigError
 
 _REGION_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")  # as in the plan
@@ -88,21 +88,11 @@ class WanMatrix:
 
 
 def load_matrix(path: str | Path) -> WanMatrix:
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: WAN matrix file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p}: cannot read WAN matrix: {e}") from e
-    return parse_matrix(text, source=str(p))
+    return parse_matrix(tomlfile.read_text(path, "WAN matrix"), source=str(Path(path)))
 
 
 def parse_matrix(text: str, source: str = "matrix") -> WanMatrix:
-    try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{source}: invalid TOML: {e}") from e
+    doc = tomlfile.loads(text, source)
 
     def fail(index: int | None, key: str, msg: str) -> ConfigError:
         line = _line_of(text, index, key.rsplit(".", 1)[-1])
