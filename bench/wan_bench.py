@@ -162,8 +162,8 @@ def _region_net(wan: Rehearsal) -> Any:
 
 
 def _one_run(spec: dict[str, Any], wan: Rehearsal, endpoints: dict[str, str], env: dict[str, str], work: Path, args: Any) -> dict:
-    from geoshard.trainer.config import TrainConfig
-    from geoshard.trainer.launch import launch_regions, parse_regions
+    from geoshard.trainer.config import TrainConfig, parse_regions
+    from geoshard.trainer.launch import launch_regions
     from geoshard.trainer.report import build_report
     from multiregion_bench import READS_FROM, WEIGHTS, bucket_plan
 

@@ -37,11 +37,17 @@ def train(nproc: int, regions_spec: str | None, wan_matrix: Path | None, max_res
     from geoshard.cli_progress import TrainProgress
     from geoshard.cli_report import render_report
     from geoshard.plan import load_plan
-    from geoshard.trainer.launch import launch, launch_regions, parse_regions
+    from geoshard.trainer.config import parse_regions
+    from geoshard.trainer.launch import launch, launch_regions
     from geoshard.trainer.preflight import preflight
     from geoshard.trainer.report import build_report
 
     cfg = config_from(**kwargs)
+    if cfg.sync == "diloco" and regions_spec is None:
+        raise ConfigError(
+            "--sync diloco needs --regions (one torchrun per region); with your own torchrun per region, run "
+            "python -m geoshard.trainer with --outer-store and --outer-regions (docs/diloco.md)"
+        )
     # The plan, the region(s), the options and the corpus layout, before torchrun starts.
     preflight(cfg, nproc, [r.region for r in parse_regions(regions_spec)] if regions_spec is not None else (), overwrite=overwrite)
     progress = TrainProgress(cfg.out, cfg.steps).start()  # step, loss, samples/s, data wait, from the step logs
@@ -64,7 +70,12 @@ def train(nproc: int, regions_spec: str | None, wan_matrix: Path | None, max_res
     progress.close()
     if code != 0:
         raise launch_failure(cfg.out, code)
-    click.echo(render_report(build_report(cfg.out, cfg.budget)))
+    report = build_report(cfg.out, cfg.budget)
+    if cfg.sync == "diloco":  # the regions end apart, so no rank writes it (trainer/loop.py)
+        from geoshard.trainer.report import write_report
+
+        write_report(cfg.out, report)
+    click.echo(render_report(report))
 
 
 def launch_failure(out: Path, code: int) -> GeoshardError:

@@ -146,8 +146,8 @@ def _sync_and_train(settings: DemoSettings, result: DemoResult, echo: Echo) -> N
     from geoshard.seaweed import SeaweedS3, closed_port
     from geoshard.sync.push import SyncSettings
     from geoshard.sync.push import sync as run_sync
-    from geoshard.trainer.config import TrainConfig
-    from geoshard.trainer.launch import launch_regions, parse_regions
+    from geoshard.trainer.config import TrainConfig, parse_regions
+    from geoshard.trainer.launch import launch_regions
     from geoshard.trainer.report import build_report
 
     out, seconds = settings.out, result.seconds

@@ -8,6 +8,7 @@ torchrun unchanged.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,9 +16,38 @@ from geoshard.errors import ConfigError
 
 BACKENDS = ("auto", "gloo", "nccl")
 COMPRESSIONS = ("none", "fp16")
-SYNCS = ("auto", "flat", "hierarchical")
+SYNCS = ("auto", "flat", "hierarchical", "diloco")
+OUTER_COMPRESSIONS = ("fp16", "bf16", "none")  # of DiLoCo's pseudo-gradients on the long links
 MODELS = ("mlp", "none")  # none: no model, the data path alone (a stated compute time per step)
 NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "NVLS", "NVLSTree", "PAT")
+_REGION_SPEC = re.compile(r"^([a-z0-9][a-z0-9-]*):([0-9]+)$")
+_HOST_PORT = re.compile(r"^([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:]+\]):([0-9]{1,5})$")
+
+
+@dataclass(frozen=True)
+class RegionRanks:
+    region: str
+    nproc: int
+
+
+def parse_regions(text: str, option: str = "--regions") -> tuple[RegionRanks, ...]:
+    """``us-east-1:2,eu-west-1:1`` → ranks per region; a ConfigError naming the part that is wrong."""
+    out: list[RegionRanks] = []
+    for part in (p.strip() for p in text.split(",")):
+        m = _REGION_SPEC.match(part)
+        if not m or int(m.group(2)) < 1:
+            raise ConfigError(f"{option}: {part!r} is not REGION:RANKS with RANKS >= 1 (e.g. us-east-1:2,eu-west-1:1)")
+        if any(r.region == m.group(1) for r in out):
+            raise ConfigError(f"{option}: {m.group(1)} appears twice")
+        out.append(RegionRanks(m.group(1), int(m.group(2))))
+    return tuple(out)
+
+
+def parse_host_port(text: str, option: str) -> tuple[str, int]:
+    m = _HOST_PORT.match(text)
+    if not m or not 1 <= int(m.group(2)) <= 65535:
+        raise ConfigError(f"{option}: {text!r} is not HOST:PORT (e.g. 10.0.0.5:29600)")
+    return m.group(1).strip("[]"), int(m.group(2))
 
 
 @dataclass(frozen=True)
@@ -54,8 +84,45 @@ class TrainConfig:
     collective_timeout: int = 600  # seconds a collective may wait for a peer before the rank fails
     model: str = "mlp"  # the built-in MLP (WebDataset img/cls samples), or "none": any layout, data only
     step_time: float = 0.0  # seconds of simulated compute per step (with model "none": the whole step)
+    # --sync diloco (trainer/diloco.py): each region trains alone; every outer_steps steps the regions
+    # average their pseudo-gradients through the outer store and take an outer Nesterov SGD step.
+    outer_steps: int = 100
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+    outer_compression: str = "fp16"
+    outer_timeout: float = 120.0  # seconds a region leader waits for the others at a round
+    outer_store: str | None = None  # HOST:PORT of the store the region leaders meet in (geoshard train hosts it)
+    outer_regions: str | None = None  # the job's regions and ranks, REGION:RANKS,... (the same on every region)
+    utilization_target: float = 0.95  # compute time / wall time the report holds the job to
 
     def __post_init__(self) -> None:
+        self._check_basics()
+        if self.outer_steps < 1:
+            raise ConfigError(f"--outer-steps must be at least 1, got {self.outer_steps}")
+        if not self.outer_lr > 0:
+            raise ConfigError(f"--outer-lr must be above 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"--outer-momentum must be at least 0 and below 1, got {self.outer_momentum}")
+        if self.outer_compression not in OUTER_COMPRESSIONS:
+            raise ConfigError(f"--outer-compression must be one of {', '.join(OUTER_COMPRESSIONS)}, got {self.outer_compression!r}")
+        if not 0 < self.outer_timeout <= 86400:
+            raise ConfigError(f"--outer-timeout must be above 0 and at most a day, got {self.outer_timeout}")
+        if not 0 < self.utilization_target <= 1:
+            raise ConfigError(f"--utilization-target must lie in (0, 1], got {self.utilization_target}")
+        if self.outer_store is not None:
+            parse_host_port(self.outer_store, "--outer-store")
+        if self.outer_regions is not None:
+            regions = parse_regions(self.outer_regions, "--outer-regions")
+            if self.region is not None and self.region not in [r.region for r in regions]:
+                raise ConfigError(f"--region {self.region} is not one of --outer-regions ({self.outer_regions})")
+
+    @property
+    def job_regions(self) -> tuple[RegionRanks, ...]:
+        """The job's regions (``--outer-regions``); empty outside DiLoCo."""
+        return parse_regions(self.outer_regions, "--outer-regions") if self.outer_regions else ()
+
+    def _check_basics(self) -> None:
         for name in ("steps", "batch_size", "accum_steps", "checkpoint_every", "checkpoint_keep", "hidden", "collective_timeout"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")

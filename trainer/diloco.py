@@ -90,7 +90,7 @@ class RoundRecord:
     round: int
     step: int  # the region's inner step count at the round
     regions: tuple[str, ...]  # whose pseudo-gradients were averaged
-    missing: tuple[str, ...]  # regions of the job that were not
+    missing: tuple[str, ...]  # regions of the job that were not (those that finished their steps are not missing)
     sync_s: float  # from publishing to the new parameters in place, on this region
     bytes_published: int  # by this region's leader: pseudo-gradient, and the state when it closed the round
     bytes_read: int  # by this region's leader: the other regions' pseudo-gradients (or the state it adopted)
@@ -345,12 +345,25 @@ class DiLoCo:
         earlier (a closer withdraws the announcement of a region it waited for in vain)."""
         assert self.store is not None
         members = self._members(r - 1) or self.regions
+        left = self.left()
         out = []
         for region in self.regions:
             jk = self._key("joined", region)
+            if region in left:
+                continue
             if region in members or (self.store.check([jk]) and 0 <= int(self.store.get(jk)) <= r):
                 out.append(region)
         return out
+
+    def left(self) -> set[str]:
+        """Regions that finished their steps (``leave``): no longer waited for, nor counted missing."""
+        assert self.store is not None
+        return {g for g in self.regions if self.store.check([self._key("left", g)])}
+
+    def leave(self) -> None:
+        """The region finished its steps: the others stop waiting for it from their next round on."""
+        if self.is_leader and self.store is not None:
+            self.store.set(self._key("left", self.region), str(self.round))
 
     def _members(self, r: int) -> tuple[str, ...] | None:
         assert self.store is not None
@@ -393,14 +406,15 @@ class DiLoCo:
                 closer = True
                 continue
             time.sleep(POLL_S)
-        missing = tuple(g for g in self.regions if members is None or g not in members)
+        gone = self.left()
+        missing = tuple(g for g in self.regions if (members is None or g not in members) and g not in gone)
         if members is None or self.region not in members:
             # Too late for this round: take the newest published result, and go on from there.
             adopted, _, nbytes = self._adopt_latest(r)
             store.set(self._key("joined", self.region), str(adopted + 1))
             log.warning("DiLoCo: region %s missed outer round %d; it continues from round %d's published state", self.region, r, adopted)
             took = self._members(adopted)  # the record describes the round whose result this region now holds
-            missing = tuple(g for g in self.regions if took is not None and g not in took)
+            missing = tuple(g for g in self.regions if took is not None and g not in took and g not in gone)
             return RoundRecord(adopted, step, took or (), missing, time.perf_counter() - t0, published, nbytes, s.compression, adopted=True)
         total = torch.zeros_like(self.outer)
         read = 0

@@ -5,14 +5,19 @@ us-east-1:2,eu-west-1:1``): one torchrun agent per region, as a real job has one
 with its region in GEOSHARD_REGION and its rank count, meeting at one c10d rendezvous. Under the
 WAN rehearsal each agent runs inside its region's network namespace (``wrap``) and binds its
 region's address, so every byte between regions crosses the rehearsal's links.
+
+``--sync diloco``: each region is a torchrun job of its own (its own rendezvous, its own world),
+and the region leaders meet in a store this process hosts (``trainer/diloco.py``). A region that
+fails does not stop the others; the launcher starts it again (``--max-restarts`` times, with
+``--resume``), as a replacement node would be after a spot reclaim, and it rejoins the job.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -23,32 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from geoshard.trainer.config import TrainConfig
+from geoshard.trainer.config import RegionRanks, TrainConfig
 from geoshard.trainer.failures import StderrRelay, clear_failures, logs_dir
 
 from geoshard.errors import ConfigError
 
-_REGION_SPEC = re.compile(r"^([a-z0-9][a-z0-9-]*):([0-9]+)$")
 STOP_GRACE_S = 10.0  # after one agent fails, how long the others get to stop before SIGKILL
-
-
-@dataclass(frozen=True)
-class RegionRanks:
-    region: str
-    nproc: int
-
-
-def parse_regions(text: str) -> tuple[RegionRanks, ...]:
-    """``us-east-1:2,eu-west-1:1`` → ranks per region; a ConfigError naming the part that is wrong."""
-    out: list[RegionRanks] = []
-    for part in (p.strip() for p in text.split(",")):
-        m = _REGION_SPEC.match(part)
-        if not m or int(m.group(2)) < 1:
-            raise ConfigError(f"--regions: {part!r} is not REGION:RANKS with RANKS >= 1 (e.g. us-east-1:2,eu-west-1:1)")
-        if any(r.region == m.group(1) for r in out):
-            raise ConfigError(f"--regions: {m.group(1)} appears twice")
-        out.append(RegionRanks(m.group(1), int(m.group(2))))
-    return tuple(out)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -150,6 +135,8 @@ def launch_regions(
     if cfg.region is not None:
         raise ConfigError("--region names one region for the whole job; with --regions each region's ranks get their own")
     net = net or RegionNet()
+    if cfg.sync == "diloco":
+        return _launch_separate_regions(cfg, regions, max_restarts, env or {}, net)
     host = net.address(regions[0].region)
     # The rendezvous store lives in this process, which outlives every agent: an agent hosting it
     # would take it down while the others still send their last heartbeats.
@@ -184,6 +171,82 @@ def launch_regions(
         for relay in relays:
             relay.join()
         del store
+
+
+def _launch_separate_regions(
+    cfg: TrainConfig, regions: Sequence[RegionRanks], max_restarts: int, env: Mapping[str, str], net: RegionNet
+) -> int:
+    """DiLoCo: one torchrun job per region; 0 when every region finished its steps, else the exit
+    status of the first region that failed for good (the others still ran to their end)."""
+    from geoshard.trainer.diloco import host_store
+
+    host = net.address(regions[0].region)
+    with net.inside(regions[0].region):
+        outer = host_store(host, timeout_s=max(300.0, cfg.outer_timeout))
+    spec = ",".join(f"{r.region}:{r.nproc}" for r in regions)
+    job_cfg = dataclasses.replace(cfg, outer_store=f"{host}:{outer.port}", outer_regions=spec)
+    stores: dict[str, Any] = {}
+    for r in regions:  # each region's rendezvous inside its own network: nothing of it crosses a link
+        with net.inside(r.region):
+            stores[r.region] = _rendezvous_store(net.address(r.region))
+    logs, seen = _fresh_logs(cfg), set[bytes]()
+    relays: list[StderrRelay] = []
+    running: dict[str, subprocess.Popen[bytes]] = {}
+    starts = dict.fromkeys((r.region for r in regions), 0)
+
+    def start(r: RegionRanks) -> None:
+        region_cfg = job_cfg if starts[r.region] == 0 else dataclasses.replace(job_cfg, resume=True)
+        address = net.address(r.region)
+        argv = torchrun_argv(
+            region_cfg,
+            r.nproc,
+            max_restarts,
+            stores[r.region].port,
+            host=address,
+            local_addr=address,
+            is_host=False,
+            run_id=f"geoshard-{r.region}-{os.getpid()}-{starts[r.region]}",
+        )
+        agent_env = _base_env({**env, **net.env(r.region), "GEOSHARD_REGION": r.region})
+        # Its own session: a region is stopped (or lost) as a whole, its ranks with its agent.
+        proc = subprocess.Popen(net.wrap(r.region, argv), env=agent_env, stderr=subprocess.PIPE, start_new_session=True)  # noqa: S603
+        assert proc.stderr is not None
+        relays.append(StderrRelay(proc.stderr, logs / "stderr.log", seen=seen))
+        running[r.region] = proc
+        starts[r.region] += 1
+
+    code = 0
+    try:
+        for r in regions:
+            start(r)
+        while running:
+            for r in regions:
+                proc = running.get(r.region)
+                if proc is None or proc.poll() is None:
+                    continue
+                del running[r.region]
+                if proc.returncode == 0:
+                    continue
+                _kill_session(proc)  # what is left of the region (its ranks, their loader workers)
+                if starts[r.region] <= max_restarts:
+                    print(f"geoshard: region {r.region} stopped (exit {proc.returncode}); starting it again", file=sys.stderr, flush=True)
+                    start(r)
+                elif code == 0:
+                    code = proc.returncode
+            time.sleep(0.1)
+        return code
+    finally:
+        _stop(list(running.values()))
+        for proc in running.values():
+            _kill_session(proc)
+        for relay in relays:
+            relay.join()
+        del outer  # the stores go with this frame, after every region stopped
+
+
+def _kill_session(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _rendezvous_store(host: str) -> Any:

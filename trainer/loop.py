@@ -29,6 +29,7 @@ from geoshard.trainer.config import TrainConfig
 from geoshard.trainer.context import RankContext
 from geoshard.trainer.metrics import Metrics
 from geoshard.trainer.model import Net, collate, count_collate, to_tensors
+from geoshard.trainer.outer import OuterLoop
 from geoshard.trainer.record import StepRecord
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -91,9 +92,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     plan = load_plan(cfg.plan)
     if cfg.region is not None:
         plan.region(cfg.region)
+    job = cfg.job_regions if cfg.sync == "diloco" else ()
+    if cfg.sync == "diloco" and (not job or not cfg.outer_store):
+        raise ConfigError("--sync diloco needs --outer-store and --outer-regions (geoshard train --regions sets both)")
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.collective_timeout))
     try:
-        ctx = RankContext.discover(cfg.region, backend)
+        ctx = RankContext.discover(cfg.region, backend, job=job)
         plan.region(ctx.region)
         return _train(cfg, ctx)
     finally:
@@ -111,6 +115,7 @@ class Run:
     opt: torch.optim.Optimizer
     loader: RegionalLoader
     store: CheckpointStore
+    outer: OuterLoop | None  # --sync diloco
     metrics: Metrics
     steps_log: TextIO
     keys_log: TextIO | None
@@ -131,7 +136,7 @@ def _train(cfg: TrainConfig, ctx: RankContext) -> dict[str, Any]:
 
     model = Net(cfg.hidden).to(device)
     ddp = DDP(model, device_ids=[ctx.local_rank] if device.type == "cuda" else None)
-    sync = resolve_sync(cfg.sync, ctx.topology)
+    sync = resolve_sync(cfg.sync, ctx.topology)  # diloco: plain DDP inside the region (its own world)
     comm = CommState(ctx.topology, cfg.grad_compression, cfg.fp32_after)
     ddp.register_comm_hook(comm, hierarchical_hook if sync == "hierarchical" else timed_allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=0.9)
@@ -147,20 +152,27 @@ def _train(cfg: TrainConfig, ctx: RankContext) -> dict[str, Any]:
         allow_cross_region=cfg.allow_cross_region,
     )
     ds = loader.dataset
-    if rank == 0:
+    if ctx.group_rank == 0:
         _announce(cfg, ctx, ds.balance, sync)
-    store = CheckpointStore(
-        cfg.checkpoint_target, keep=cfg.checkpoint_keep, endpoint_url=cfg.checkpoint_endpoint, region=cfg.checkpoint_region
-    )
+    # Under DiLoCo each region keeps its own checkpoints: a region restarts alone.
+    target = cfg.checkpoint_target + (f"/{ctx.region}" if sync == "diloco" else "")
+    store = CheckpointStore(target, keep=cfg.checkpoint_keep, endpoint_url=cfg.checkpoint_endpoint, region=cfg.checkpoint_region)
     step = 0
+    resumed_outer: dict[str, Any] | None = None
     if cfg.resume and (latest := store.load_latest()) is not None:
         step, state = latest
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         loader.load_state_dict(_loader_state(state["loaders"], ctx.region, ds.rank, rank))
+        resumed_outer = state.get("outer") or {}
         log.warning("rank %d: resumed at step %d (epoch %d; %s rank %d)", rank, step, ds.epoch, ctx.region, ds.rank)
     steps_path = cfg.out / f"steps-rank{rank}.jsonl"
     keys_path = cfg.out / f"keys-rank{rank}.jsonl"
+    redone = max(0, _last_logged_step(steps_path) - step) if step else 0
+    outer = None
+    if sync == "diloco":
+        outer = OuterLoop(cfg, ctx, model)
+        outer.join(step, resumed_outer, redone)  # the newest outer parameters replace the checkpoint's
     for p in (steps_path, keys_path):
         if step:
             _keep_steps(p, step)
@@ -169,8 +181,10 @@ def _train(cfg: TrainConfig, ctx: RankContext) -> dict[str, Any]:
     segment = _next_segment(steps_path)
     metrics = Metrics(None if cfg.metrics_port is None else cfg.metrics_port + rank, rank=rank, region=ctx.region, host=cfg.metrics_host)
     with open(steps_path, "a") as steps_log, open(keys_path, "a") if cfg.log_keys else contextlib.nullcontext() as keys_log:
-        run = Run(cfg, ctx, ddp, comm, opt, loader, store, metrics, steps_log, keys_log, segment)
+        run = Run(cfg, ctx, ddp, comm, opt, loader, store, outer, metrics, steps_log, keys_log, segment)
         summary = _loop(run, step)
+    if outer is not None:
+        outer.leave()
     metrics.close()
     summary.update(
         backend=ctx.backend,
@@ -187,10 +201,12 @@ def _train(cfg: TrainConfig, ctx: RankContext) -> dict[str, Any]:
         segment=segment,
         earlier_segments=_earlier_segments(cfg.out / f"rank{rank}.json", segment),
         egress_budget=ds.settings.egress_budget if ds.settings.egress_budget is not None else load_plan(cfg.plan).egress.budget,
+        utilization_target=cfg.utilization_target,
+        steps_redone=redone,
     )
     Path(cfg.out / f"rank{rank}.json").write_text(json.dumps(summary, indent=1))
     dist.barrier()
-    if rank == 0:
+    if rank == 0 and sync != "diloco":  # under DiLoCo regions end apart: the launcher writes the report
         from geoshard.trainer.report import build_report, write_report
 
         write_report(cfg.out, build_report(cfg.out, cfg.budget))
@@ -199,7 +215,15 @@ def _train(cfg: TrainConfig, ctx: RankContext) -> dict[str, Any]:
 
 def _announce(cfg: TrainConfig, ctx: RankContext, balance: Any, sync: str) -> None:
     """Rank 0 says once where the ranks are and what each epoch leaves out or repeats."""
-    print(f"geoshard.trainer: {ctx.world_size} rank(s): {ctx.topology.describe()}; gradient sync {sync}", flush=True)
+    if sync == "diloco":
+        print(
+            f"geoshard.trainer: {ctx.region}: {ctx.group_size} of the job's {ctx.world_size} rank(s); DDP in the region, "
+            f"DiLoCo across {cfg.outer_regions} every {cfg.outer_steps} steps (outer lr {cfg.outer_lr:g}, "
+            f"momentum {cfg.outer_momentum:g}{', Nesterov' if cfg.outer_nesterov else ''}, {cfg.outer_compression})",
+            flush=True,
+        )
+    else:
+        print(f"geoshard.trainer: {ctx.world_size} rank(s): {ctx.topology.describe()}; gradient sync {sync}", flush=True)
     if balance is not None:
         print(f"geoshard.trainer: {balance.line()}", flush=True)
         plan = load_plan(cfg.plan)
@@ -229,6 +253,16 @@ def _earlier_segments(summary_path: Path, segment: int) -> list[dict[str, Any]]:
         return []
     earlier = [e for e in old.pop("earlier_segments", None) or [] if isinstance(e, dict)]
     return [*earlier, old]
+
+
+def _last_logged_step(steps_path: Path) -> int:
+    """The newest step in the rank's step log (before a resume trims it)."""
+    last = 0
+    if steps_path.exists():
+        for line in steps_path.read_text().splitlines():
+            with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
+                last = max(last, int(json.loads(line)["step"]))
+    return last
 
 
 def _next_segment(steps_path: Path) -> int:
@@ -287,6 +321,10 @@ def _loop(run: Run, step: int) -> dict[str, Any]:
         if run.keys_log is not None:  # before the checkpoint: a resume after it never redoes this step
             run.keys_log.write(json.dumps({"step": step, "region": ctx.region, "keys": keys}) + "\n")
             run.keys_log.flush()
+        t_outer = clock()
+        if run.outer is not None:  # before the checkpoint, so one taken at a round holds its result
+            run.outer.after_step(step)
+        outer_s = clock() - t_outer if run.outer is not None else 0.0
         ckpt = 0.0
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             ckpt = _checkpoint(step, run)
@@ -302,6 +340,7 @@ def _loop(run: Run, step: int) -> dict[str, Any]:
             comm_intra_s=intra_s,
             comm_cross_s=cross_s,
             checkpoint_s=ckpt,
+            outer_sync_s=outer_s,
             cross_region_grad_bytes=cross_bytes,
             loss=loss_sum if cfg.model != "none" else None,
             samples=n,
@@ -329,10 +368,12 @@ def _checkpoint(step: int, run: Run) -> float:
     """Rank 0 writes model, optimizer and every rank's loader position; the others wait for it."""
     t0 = time.perf_counter()
     ds = run.loader.dataset
-    states: list[Any] = [None] * run.ctx.world_size
+    states: list[Any] = [None] * run.ctx.group_size
     dist.all_gather_object(states, (loader_key(ds.region, ds.rank), run.loader.state_dict()))
-    if run.ctx.rank == 0:
+    if run.ctx.group_rank == 0:
         state = {"step": step, "model": run.ddp.module.state_dict(), "optimizer": run.opt.state_dict(), "loaders": dict(states)}
+        if run.outer is not None:
+            state["outer"] = run.outer.state()
         run.store.save(step, state)
     dist.barrier()
     return time.perf_counter() - t0

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
-from geoshard.trainer.config import BACKENDS, COMPRESSIONS, MODELS, NCCL_ALGOS, SYNCS, TrainConfig
+from geoshard.trainer.config import BACKENDS, COMPRESSIONS, MODELS, NCCL_ALGOS, OUTER_COMPRESSIONS, SYNCS, TrainConfig
 
 from geoshard.units import parse_duration
 
@@ -43,7 +43,33 @@ _OPTIONS = [
         type=click.Choice(SYNCS),
         default="auto",
         show_default=True,
-        help="Gradient sync: flat all-reduce, or hierarchical (in region, then region leaders); auto: hierarchical across regions.",
+        help="Gradient sync: flat all-reduce, or hierarchical (in region, then region leaders); auto: hierarchical across "
+        "regions; diloco: DDP in each region, the regions average pseudo-gradients every --outer-steps steps (docs/diloco.md).",
+    ),
+    click.option("--outer-steps", default=100, show_default=True, type=int, help="DiLoCo: inner steps between outer rounds (H)."),
+    click.option("--outer-lr", default=0.7, show_default=True, type=float, help="DiLoCo: outer learning rate."),
+    click.option("--outer-momentum", default=0.9, show_default=True, type=float, help="DiLoCo: outer momentum."),
+    click.option("--outer-nesterov/--no-outer-nesterov", default=True, show_default=True, help="DiLoCo: Nesterov outer momentum."),
+    click.option(
+        "--outer-compression",
+        type=click.Choice(OUTER_COMPRESSIONS),
+        default="fp16",
+        show_default=True,
+        help="DiLoCo: the pseudo-gradients' type on the long links.",
+    ),
+    click.option(
+        "--outer-timeout", default=120.0, show_default=True, type=float, help="DiLoCo: seconds a round waits for the other regions."
+    ),
+    click.option(
+        "--outer-store", help="DiLoCo with your own torchrun per region: HOST:PORT of the store the regions meet in (a TCPStore)."
+    ),
+    click.option("--outer-regions", help="DiLoCo with your own torchrun per region: the job's REGION:RANKS,... (the same everywhere)."),
+    click.option(
+        "--utilization-target",
+        default=0.95,
+        show_default=True,
+        type=float,
+        help="Compute time / wall time the report holds the job to.",
     ),
     click.option("--fp32-after", type=int, help="With fp16 compression: exchange fp32 gradients from this step on."),
     click.option("--checkpoint", help="Checkpoint folder or s3://bucket/prefix (default: RUN_DIR/checkpoints)."),

@@ -13,7 +13,7 @@ from geoshard.env import read_environment
 from geoshard.errors import ConfigError
 from geoshard.plan import Plan, load_plan
 
-_RUN_FILE = re.compile(r"^(steps-rank\d+\.jsonl|rank\d+\.json|report\.json)$")
+_RUN_FILE = re.compile(r"^(steps-rank\d+\.jsonl|rank\d+\.json|rounds-[a-z0-9-]+\.jsonl|report\.json)$")
 # What the built-in model reads from each sample (geoshard.trainer.model.collate).
 MODEL_FIELDS = ("img", "cls")
 

@@ -13,7 +13,7 @@ from geoshard.errors import DataError
 
 # Seconds every record has; the rest default to 0 (records of older versions lack them).
 REQUIRED_SECONDS = ("t", "data_wait_s", "compute_s", "step_s")
-OPTIONAL_SECONDS = ("comm_s", "comm_intra_s", "comm_cross_s", "checkpoint_s")
+OPTIONAL_SECONDS = ("comm_s", "comm_intra_s", "comm_cross_s", "checkpoint_s", "outer_sync_s")
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class StepRecord:
     comm_intra_s: float = 0.0  # ... of which inside the region (hierarchical sync)
     comm_cross_s: float = 0.0  # ... of which between region leaders (hierarchical sync)
     checkpoint_s: float = 0.0
+    outer_sync_s: float = 0.0  # DiLoCo: this step's outer round (exchange and outer step), apart from compute
     cross_region_grad_bytes: int = 0  # gradient bytes this rank sent to other regions this step
     loss: float | None = None
     samples: int = 0

@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from geoshard.trainer.config import TrainConfig
-    from geoshard.trainer.launch import RegionRanks
+    from geoshard.trainer.config import RegionRanks, TrainConfig
 
 
 def launch_under_wan(

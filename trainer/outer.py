@@ -1,0 +1,97 @@
+"""DiLoCo inside the training loop (``--sync diloco``): the region joins the job's outer rounds after
+its checkpoint is loaded, runs a round every ``--outer-steps`` steps, and its leader writes one
+line per join and per round to ``RUN_DIR/rounds-<region>.jsonl`` (the report's per-round table and
+each region's steps lost and rounds missed come from these files).
+
+Steps lost are inner steps whose work never reached the outer parameters: steps a restarted region
+redoes after its checkpoint, the steps since its last round when it rejoins from a newer published
+state (its own parameters are replaced), and the steps of a round it missed (it adopts the round's
+result instead of its own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from geoshard.trainer.config import TrainConfig, parse_host_port
+from geoshard.trainer.context import RankContext
+from geoshard.trainer.diloco import DiLoCo, OuterSync, connect_store
+from torch import nn
+
+from geoshard.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def rounds_path(out: Path, region: str) -> Path:
+    return out / f"rounds-{region}.jsonl"
+
+
+def outer_settings(cfg: TrainConfig) -> OuterSync:
+    return OuterSync(
+        outer_steps=cfg.outer_steps,
+        outer_lr=cfg.outer_lr,
+        outer_momentum=cfg.outer_momentum,
+        nesterov=cfg.outer_nesterov,
+        compression=cfg.outer_compression,
+        round_timeout_s=cfg.outer_timeout,
+        join_timeout_s=max(300.0, cfg.outer_timeout),
+    )
+
+
+class OuterLoop:
+    """One per rank; only the region leader talks to the store and writes the rounds file."""
+
+    def __init__(self, cfg: TrainConfig, ctx: RankContext, model: nn.Module) -> None:
+        if not cfg.outer_store or not cfg.outer_regions:
+            raise ConfigError("--sync diloco needs --outer-store and --outer-regions (geoshard train --regions sets both)")
+        group = dist.group.WORLD if ctx.group_size > 1 else None
+        self.region = ctx.region
+        self.leader = ctx.group_rank == 0
+        self.diloco = DiLoCo(model, outer_settings(cfg), ctx.region, [r.region for r in cfg.job_regions], group=group)
+        host, port = parse_host_port(cfg.outer_store, "--outer-store")
+        self.store = connect_store(host, port, timeout_s=cfg.outer_timeout) if self.leader else None
+        self.path = rounds_path(cfg.out, ctx.region)
+        self.job = cfg.outer_store  # one launch of the job: round numbers start again when a whole job is resumed
+        self.last_round_step = 0
+        if self.leader and not cfg.resume:
+            self.path.unlink(missing_ok=True)  # a run started over (--overwrite); a restarted region resumes
+
+    def join(self, step: int, resumed: dict[str, Any] | None, redone: int) -> None:
+        """Collective in the region. ``resumed``: the outer part of the region's checkpoint (None: a
+        fresh start); ``redone``: steps logged after that checkpoint, which the region does again."""
+        rec = self.diloco.join(self.store)
+        lost = redone
+        if resumed is not None:
+            # join() puts the newest outer parameters in place: the inner steps since the region's last
+            # round, which its checkpoint held, are gone.
+            lost += step - int(resumed.get("last_round_step", step))
+        self.last_round_step = step
+        record = {"event": "join", "round": rec.round, "step": step, "created": rec.created, "bytes_read": rec.bytes_read}
+        self._write({**record, "steps_lost": lost})
+
+    def after_step(self, step: int) -> None:
+        rec = self.diloco.maybe_sync(step)
+        if rec is None:
+            return
+        lost = step - self.last_round_step if rec.adopted else 0
+        self.last_round_step = step
+        self._write({"event": "round", **dataclasses.asdict(rec), "steps_lost": lost})
+
+    def state(self) -> dict[str, Any]:
+        """What the region's checkpoint keeps of the outer loop."""
+        return {"round": self.diloco.round - 1, "last_round_step": self.last_round_step}
+
+    def leave(self) -> None:
+        self.diloco.leave()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if not self.leader:
+            return
+        with open(self.path, "a") as f:  # append-only and flushed per line: a killed region keeps its history
+            f.write(json.dumps({"region": self.region, "job": self.job, **record}) + "\n")
