@@ -88,6 +88,8 @@ def _renderables(r: Mapping[str, Any]) -> list[RenderableType]:
     out: list[RenderableType] = [headline, _summary_lines(r), _breakdown_table(r), _ranks_table(r)]
     if len(r.get("regions") or {}) > 1:
         out.append(_regions_table(r))
+    if r.get("outer"):
+        out += _outer_renderables(r)
     if r["tiers"]:
         out.append(_tiers_table(r))
     if r["egress_bytes"]:
@@ -113,7 +115,12 @@ def _summary_lines(r: Mapping[str, Any]) -> Text:
     ttfb = r["time_to_first_batch_s"]
     start = f"first batch after {duration(ttfb)} (slowest rank), then " if ttfb is not None else "after the first batch: "
     start += f"IO wait {r['io_wait_share_after_first_batch']:.1%}"
-    return Text(f"{run}\n{start}")
+    lines = f"{run}\n{start}"
+    u = r.get("utilization")
+    if u:
+        verdict = "met" if u["met"] else "not met"
+        lines += f"\ncompute utilization {u['share']:.1%} (compute without gradient exchange / wall), target {u['target']:.0%}: {verdict}"
+    return Text(lines)
 
 
 def _breakdown_table(r: Mapping[str, Any]) -> Table:
@@ -126,9 +133,12 @@ def _breakdown_table(r: Mapping[str, Any]) -> Table:
         ("compute", "compute"),
         ("  of which gradient sync", "comm"),
         ("checkpoint", "checkpoint"),
+        ("outer rounds (DiLoCo)", "outer_sync"),
         ("other", "other"),
     ]
     for label, key in rows:
+        if key not in b or (key == "outer_sync" and not b[key]["seconds"]):  # older reports; runs without DiLoCo
+            continue
         style = "red" if key == "data_wait" and not r["within_budget"] else "dim" if key == "comm" else None
         table.add_row(label, duration(b[key]["seconds"]), f"{b[key]['share']:.1%}", style=style)
     table.add_row("wall", duration(b["wall"]["seconds"]), "100.0%", style="bold")
@@ -182,6 +192,48 @@ def _regions_table(r: Mapping[str, Any]) -> Table:
     )
     table.caption_justify = "left"
     return table
+
+
+MAX_ROUND_ROWS = 12
+
+
+def _outer_renderables(r: Mapping[str, Any]) -> list[RenderableType]:
+    """DiLoCo: the outer rounds (the last ones when there are many) and each region's losses."""
+    o = r["outer"]
+    table = Table(title="DiLoCo outer rounds", title_justify="left")
+    for col in ("round", "regions", "missing", "sync (slowest)", "through the store"):
+        table.add_column(col, justify="right" if col in ("round", "sync (slowest)", "through the store") else "left", no_wrap=True)
+    rows = o["rounds"]
+    for x in rows[-MAX_ROUND_ROWS:]:
+        missing = ", ".join(x["missing"]) or "-"
+        table.add_row(
+            str(x["round"]),
+            ", ".join(x["regions"]) or "-",
+            Text(missing, style="yellow" if x["missing"] else ""),
+            duration(x["sync_s"]),
+            human_bytes(x["bytes"]),
+        )
+    earlier = len(rows) - MAX_ROUND_ROWS
+    table.caption = (f"{earlier} earlier round(s) in report.json; " if earlier > 0 else "") + (
+        f"{o['round_count']} round(s), sync {duration(o['sync_s_mean'])} on average, {duration(o['sync_s_max'])} at most, "
+        f"{human_bytes(o['bytes'])} through the outer store"
+    )
+    table.caption_justify = "left"
+    regions = Table(title="DiLoCo per region", title_justify="left")
+    for col in ("region", "rounds", "missed", "adopted", "starts", "steps lost"):
+        regions.add_column(col, justify="left" if col == "region" else "right", no_wrap=True)
+    for name, g in o["regions"].items():
+        lost = g["steps_lost"] or g["rounds_missed"]
+        regions.add_row(
+            name,
+            str(g["rounds"]),
+            str(g["rounds_missed"]),
+            str(g["adopted"]),
+            str(g["joins"]),
+            str(g["steps_lost"]),
+            style="yellow" if lost else None,
+        )
+    return [table, regions]
 
 
 def _count(n: Any) -> str:

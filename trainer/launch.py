@@ -33,6 +33,7 @@ from geoshard.trainer.failures import StderrRelay, clear_failures, logs_dir
 
 from geoshard.errors import ConfigError
 
+AGENT_TAG = "GEOSHARD_AGENT"  # marks a region's processes under --sync diloco (kill_tagged)
 STOP_GRACE_S = 10.0  # after one agent fails, how long the others get to stop before SIGKILL
 
 
@@ -193,6 +194,7 @@ def _launch_separate_regions(
     relays: list[StderrRelay] = []
     running: dict[str, subprocess.Popen[bytes]] = {}
     starts = dict.fromkeys((r.region for r in regions), 0)
+    tags: dict[str, str] = {}
 
     def start(r: RegionRanks) -> None:
         region_cfg = job_cfg if starts[r.region] == 0 else dataclasses.replace(job_cfg, resume=True)
@@ -207,9 +209,9 @@ def _launch_separate_regions(
             is_host=False,
             run_id=f"geoshard-{r.region}-{os.getpid()}-{starts[r.region]}",
         )
-        agent_env = _base_env({**env, **net.env(r.region), "GEOSHARD_REGION": r.region})
-        # Its own session: a region is stopped (or lost) as a whole, its ranks with its agent.
-        proc = subprocess.Popen(net.wrap(r.region, argv), env=agent_env, stderr=subprocess.PIPE, start_new_session=True)  # noqa: S603
+        tags[r.region] = f"{os.getpid()}-{time.time_ns()}-{r.region}"
+        agent_env = _base_env({**env, **net.env(r.region), "GEOSHARD_REGION": r.region, AGENT_TAG: tags[r.region]})
+        proc = subprocess.Popen(net.wrap(r.region, argv), env=agent_env, stderr=subprocess.PIPE)  # noqa: S603
         assert proc.stderr is not None
         relays.append(StderrRelay(proc.stderr, logs / "stderr.log", seen=seen))
         running[r.region] = proc
@@ -227,7 +229,7 @@ def _launch_separate_regions(
                 del running[r.region]
                 if proc.returncode == 0:
                     continue
-                _kill_session(proc)  # what is left of the region (its ranks, their loader workers)
+                kill_tagged(tags[r.region])  # what is left of the region: ranks in their own sessions, loader workers
                 if starts[r.region] <= max_restarts:
                     print(f"geoshard: region {r.region} stopped (exit {proc.returncode}); starting it again", file=sys.stderr, flush=True)
                     start(r)
@@ -237,16 +239,27 @@ def _launch_separate_regions(
         return code
     finally:
         _stop(list(running.values()))
-        for proc in running.values():
-            _kill_session(proc)
+        for tag in tags.values():
+            kill_tagged(tag)
         for relay in relays:
             relay.join()
         del outer  # the stores go with this frame, after every region stopped
 
 
-def _kill_session(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+def kill_tagged(tag: str) -> int:
+    """SIGKILL every process started with ``AGENT_TAG=tag`` in its environment: a region's agent
+    and what it started (torchrun puts each rank in a session of its own, so no process group
+    holds them all). The number killed."""
+    want = f"\0{AGENT_TAG}={tag}\0".encode()
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if want in b"\0" + (entry / "environ").read_bytes():
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+    return killed
 
 
 def _rendezvous_store(host: str) -> Any:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from geoshard.trainer.outer_report import outer_section, utilization
 from geoshard.trainer.record import StepRecord
 
 from geoshard.errors import ConfigError, DataError
@@ -88,7 +89,7 @@ def build_report(run_dir: str | Path, budget: float = DEFAULT_BUDGET) -> dict[st
 
     ``io_wait_share`` (data wait over loop wall time, summed over ranks) against ``budget`` gives
     ``within_budget`` and ``verdict``; ``breakdown`` splits the wall time into the disjoint
-    data_wait, compute, checkpoint and other (``comm`` is part of compute); ``ranks`` has the same
+    data_wait, compute, checkpoint, outer_sync (DiLoCo) and other (``comm`` is part of compute); ``ranks`` has the same
     per rank; ``tiers``, ``egress_bytes`` and ``writebacks`` sum the loader's stats;
     ``dropped_samples`` is what each epoch leaves out (per epoch, over the job; a different block
     every epoch, so no sample is lost for good). Shares are 0..1, times in seconds.
@@ -117,7 +118,7 @@ def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> 
         raise ValueError("summarize needs at least one rank")
     ranks = [_rank_summary(r) for r in runs.values()]
     wall = sum(r["wall_s"] for r in ranks)
-    parts = {k: sum(r[f"{k}_s"] for r in ranks) for k in ("data_wait", "compute", "comm", "checkpoint", "other")}
+    parts = {k: sum(r[f"{k}_s"] for r in ranks) for k in ("data_wait", "compute", "comm", "checkpoint", "outer_sync", "other")}
     share = _share(parts["data_wait"], wall)
     after = _share(*(sum(x) for x in zip(*(_after_first_batch(r) for r in runs.values()), strict=True)))
     summaries = [r.summary for r in runs.values() if r.summary is not None]
@@ -159,6 +160,9 @@ def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> 
             **{k: {"seconds": _r(v), "share": _share(v, wall)} for k, v in parts.items()},
         },
         "ranks": ranks,
+        # Compute (without any gradient exchange) over wall time, against --utilization-target.
+        "utilization": utilization(ranks, (s.get("utilization_target") for s in summaries)),
+        "outer": outer_section(run_dir),  # --sync diloco: per round and per region; None otherwise
         **loader,
         # Bytes per rank the plan allows from other regions' buckets (None: no cap), and the most one rank read.
         "egress_budget_bytes": min(budgets) if budgets else None,
@@ -227,7 +231,9 @@ def _cross_region(runs: Mapping[int, RankRun], loader: Mapping[str, Any]) -> dic
 def _rank_summary(run: RankRun) -> dict[str, Any]:
     s = run.summary or {}
     steps = run.steps
-    wait, compute, comm, checkpoint = (sum(getattr(x, k) for x in steps) for k in ("data_wait_s", "compute_s", "comm_s", "checkpoint_s"))
+    wait, compute, comm, checkpoint, outer = (
+        sum(getattr(x, k) for x in steps) for k in ("data_wait_s", "compute_s", "comm_s", "checkpoint_s", "outer_sync_s")
+    )
     wall = _wall(run)
     segments = _segments(run)
     first = _segment_summaries(run).get(min(segments, default=0), {})  # the run's start, not a resume's
@@ -244,8 +250,9 @@ def _rank_summary(run: RankRun) -> dict[str, Any]:
         "compute_s": _r(compute),
         "comm_s": _r(comm),
         "checkpoint_s": _r(checkpoint),
-        # compute includes comm (the all-reduce overlaps backward), so only these three are disjoint.
-        "other_s": _r(max(0.0, wall - wait - compute - checkpoint)),
+        "outer_sync_s": _r(outer),
+        # compute includes comm (the all-reduce overlaps backward), so only these four are disjoint.
+        "other_s": _r(max(0.0, wall - wait - compute - checkpoint - outer)),
         # The step log holds every step the run kept (steps redone after a resume only once).
         "steps": len(steps) if steps or not _is_int(s.get("steps")) else s["steps"],
         "samples": sum(x.samples for x in steps) if steps or not _is_int(s.get("samples")) else s["samples"],
