@@ -128,7 +128,8 @@ def test_a_lost_region_rejoins_while_the_others_never_restart_and_every_sample_i
     out = tmp_path / "run"
     log = tmp_path / "run.log"
     argv = train_argv(plan, out, f"{US}:1,{EU}:1,{AP}:1", "--steps", steps, "--outer-steps", every, "--checkpoint-every", every)
-    argv += ["--outer-timeout", 8, "--max-restarts", 1, "--step-time", "0.15", "--hidden", 256]
+    # A round waits 3 s for a missing region; a restart takes longer, so eu-west-1 misses rounds.
+    argv += ["--outer-timeout", "3", "--max-restarts", "1", "--step-time", "0.15", "--hidden", "256"]
     with open(log, "w") as f:
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path)
         try:
@@ -172,7 +173,8 @@ def test_a_lost_region_rejoins_while_the_others_never_restart_and_every_sample_i
     assert report["outer"]["regions"][US]["steps_lost"] == 0 and report["outer"]["regions"][AP]["steps_lost"] == 0
     # Each round closed while eu-west-1 was away averaged the regions present, and counts as missed by it.
     away = [r for r in report["outer"]["rounds"] if EU in r["missing"]]
-    assert g["rounds_missed"] == len(away)
+    assert g["rounds_missed"] == len(away) >= 1, report["outer"]
+    assert joins[1]["round"] >= away[0]["round"]  # it came back from a state published without it
     assert all(set(r["regions"]) <= {US, AP} and r["regions"] for r in away)
     # Every sample of every region exactly once in the epoch, the restarted region included.
     for rank, region in ((0, US), (1, EU), (2, AP)):
