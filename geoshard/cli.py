@@ -125,14 +125,23 @@ def split(
 
 @main.command()
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--verify",
+    "mode",
+    type=click.Choice(["xxh3", "sha256"]),
+    default="xxh3",
+    show_default=True,
+    help="Check by the manifest's xxh3_128 (sha256 where it has none), or by sha256 (cryptographic).",
+)
 @click.option("--json", "as_json", is_flag=True)
-def verify(directory: Path, as_json: bool) -> None:
+def verify(directory: Path, mode: str, as_json: bool) -> None:
     """Re-hash every shard of the split in DIRECTORY against its manifest."""
     from geoshard.verify import verify_split
 
-    _, report = verify_split(directory)
+    _, report = verify_split(directory, mode)
     if as_json:
-        click.echo(json.dumps({"checked": report.checked, "missing": report.missing, "mismatched": report.mismatched}))
+        hashes = "+".join(sorted(report.hashes))
+        click.echo(json.dumps({"checked": report.checked, "missing": report.missing, "mismatched": report.mismatched, "hash": hashes}))
     else:
         for p in report.missing:
             click.echo(f"missing: {p}")

@@ -121,9 +121,16 @@ def _region_errors(report: SyncReport) -> None:
     "--workers", "--transfer-workers", "workers", type=click.IntRange(min=1), default=64, show_default=True, help="s5cmd --numworkers."
 )
 @click.option("--endpoint", help="S3 endpoint when the plan has none for the region.")
+@click.option(
+    "--verify",
+    type=click.Choice(["xxh3", "sha256"]),
+    default="xxh3",
+    show_default=True,
+    help="Check every shard by the manifest's xxh3_128 (sha256 where it has none), or by sha256 (cryptographic).",
+)
 @click.option("--json", "as_json", is_flag=True)
-def pull(plan_path: Path, region: str, to: Path, workers: int, endpoint: str | None, as_json: bool) -> None:
-    """Fill a local replica of a region from its bucket; every shard verified by sha256."""
+def pull(plan_path: Path, region: str, to: Path, workers: int, endpoint: str | None, verify: str, as_json: bool) -> None:
+    """Fill a local replica of a region from its bucket; every shard verified (xxh3_128 by default)."""
     from geoshard.cli_progress import transfer_progress
     from geoshard.sync.pull import PullSettings
     from geoshard.sync.pull import pull as run_pull
@@ -132,12 +139,15 @@ def pull(plan_path: Path, region: str, to: Path, workers: int, endpoint: str | N
     plan = load_plan(plan_path)
     target = BucketTarget.of(plan.region(region), s3_access(None, endpoint).default_endpoint)
     with transfer_progress(enabled=not as_json) as progress:
-        report = run_pull(target, PullSettings(to=to, workers=workers, timeout_s=request_timeout()), progress=progress.update)
+        report = run_pull(
+            target, PullSettings(to=to, workers=workers, timeout_s=request_timeout(), verify=verify), progress=progress.update
+        )
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=1))
     else:
         click.echo(
-            f"{region}: {report.downloaded} shards fetched ({report.bytes_downloaded:,} bytes), {report.skipped} already present, into {to}"
+            f"{region}: {report.downloaded} shards fetched ({report.bytes_downloaded:,} bytes), {report.skipped} already present, "
+            f"into {to}" + (f"; checked by {report.hash}" if report.hash else "")
         )
 
 

@@ -7,13 +7,14 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 from guaranteekit import geoshard, snapshot
 from servers import SeaweedS3
 from synckit import make_split, objects, sync_plan
 
-from geoshard.manifest import read_region_manifest
+from geoshard.manifest import MANIFEST, read_region_manifest
 from geoshard.sync.push import ETAG_CACHE
 from geoshard.sync.verify_local import S3Etag, etag_of
 
@@ -122,3 +123,70 @@ def test_s5cmd_multipart_upload_lists_the_etag_sync_expects(tmp_path: Path, aws:
     with contextlib.closing(aws.client()) as c:
         listed = c.list_objects_v2(Bucket=bucket)["Contents"][0]["ETag"].strip('"')
     assert listed.endswith("-2") and etag_of(big) == listed
+
+
+def _flip_local(path: Path) -> None:
+    """One bit flipped in the middle of a file; its size stays."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_pull_and_verify_catch_a_damaged_shard_by_xxh3_and_by_sha256(tmp_path: Path, aws: SeaweedS3) -> None:
+    """``pull`` and ``verify`` check the manifest's xxh3_128 by default and sha256 with
+    ``--verify sha256``; a shard damaged in the replica or in the bucket (same size, one bit
+    flipped) is caught either way, and a manifest without xxh3_128 is checked by sha256."""
+    plan, buckets = sync_plan(tmp_path / "plan.toml", aws, "pullhash")
+    aws.make_bucket(buckets[EU])
+    out = make_split(tmp_path, plan)
+    _sync(out, plan)
+    shards = read_region_manifest(out / EU).shards
+    total = sum(s.bytes for s in shards)
+    assert len(shards) >= 2 and all(s.xxh3_128 for s in shards)
+    for extra, hashed in (((), "xxh3_128"), (("--verify", "sha256"), "sha256")):
+        replica = tmp_path / f"replica-{hashed}"
+        r = geoshard("pull", "--plan", plan, "--region", EU, "--to", replica, *extra, cwd=tmp_path, timeout=120)
+        assert (r.rc, r.err) == (0, ""), r.err
+        assert r.out == f"{EU}: {len(shards)} shards fetched ({total:,} bytes), 0 already present, into {replica}; checked by {hashed}\n"
+        assert (replica / MANIFEST).read_bytes() == (out / EU / MANIFEST).read_bytes()
+        v = geoshard("verify", replica, *extra, "--json", cwd=tmp_path, timeout=60)
+        assert (v.rc, v.err, json.loads(v.out)) == (0, "", {"checked": len(shards), "missing": [], "mismatched": [], "hash": hashed})
+
+        # Damage in the replica: verify names the shard, pull fetches that one again.
+        victim = replica / shards[1].path
+        _flip_local(victim)
+        v = geoshard("verify", replica, *extra, cwd=tmp_path, timeout=60)
+        assert (v.rc, v.err) == (1, "")
+        assert v.out == f"mismatched: {victim}\n{len(shards)} shards checked, 0 missing, 1 mismatched\n"
+        r = geoshard("pull", "--plan", plan, "--region", EU, "--to", replica, *extra, "--json", cwd=tmp_path, timeout=120)
+        doc = json.loads(r.out)
+        assert (r.rc, doc["downloaded"], doc["skipped"], doc["failed"], doc["hash"]) == (0, 1, len(shards) - 1, 0, hashed)
+        assert victim.read_bytes() == (out / EU / shards[1].path).read_bytes()
+
+    # Damage in the bucket: no mode accepts it; nothing half-done is left in the replica.
+    key = f"train/{shards[0].path}"
+    _flip_one_byte(aws, buckets[EU], key)
+    for extra in ((), ("--verify", "sha256")):
+        replica = tmp_path / f"fresh-{len(extra)}"
+        r = geoshard("pull", "--plan", plan, "--region", EU, "--to", replica, *extra, cwd=tmp_path, timeout=120)
+        # Two tries more, each logged, then one error line naming the object; exit 1.
+        lines = r.err.splitlines()
+        assert (r.rc, r.out, len(lines)) == (1, "", 3), r.err
+        retry = rf"WARNING geoshard\.sync\.pull: {EU}: 1 download\(s\) failed or did not verify; retrying in \d\.\d s"
+        assert all(re.fullmatch(retry, line) for line in lines[:2]), r.err
+        assert lines[2] == (
+            f"geoshard: error: {EU}: 1 shard(s) could not be fetched and verified, e.g. s3://{buckets[EU]}/{key}; "
+            "the replica's manifest was not updated"
+        )
+        assert sorted(p.name for p in replica.iterdir()) == sorted(s.path for s in shards[1:])
+
+    # A manifest written before xxh3_128 existed: the default check falls back to sha256.
+    replica = tmp_path / "replica-xxh3_128"
+    doc = json.loads((replica / MANIFEST).read_text())
+    for s in doc["shards"]:
+        del s["xxh3_128"]
+    (replica / MANIFEST).write_text(json.dumps(doc))
+    _flip_local(replica / shards[0].path)
+    v = geoshard("verify", replica, "--json", cwd=tmp_path, timeout=60)
+    want = {"checked": len(shards), "missing": [], "mismatched": [str(replica / shards[0].path)], "hash": "sha256"}
+    assert (v.rc, v.err, json.loads(v.out)) == (1, "", want)

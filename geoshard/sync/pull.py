@@ -1,8 +1,10 @@
 """``geoshard pull``: fill a local replica of a region from its bucket, every shard verified.
 
 s5cmd does not verify downloads, so each shard lands under a temporary name, is checked against
-the bucket's manifest (sha256) and only then renamed into place; the replica's manifest is
-written last. Shards already present and correct are not fetched again.
+the bucket's manifest and only then renamed into place; the replica's manifest is written last.
+Shards already present and correct are not fetched again. The check is the manifest's xxh3_128
+by default (memory speed; sha256 where the manifest predates it), or sha256 with
+``verify="sha256"`` (a cryptographic check); the size is checked first in both.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from geoshard.errors import StorageError, SyncError
-from geoshard.manifest import MANIFEST, ShardEntry, parse_region_manifest, write_atomic
+from geoshard.manifest import MANIFEST, parse_region_manifest, write_atomic
 from geoshard.paths import check_shard_path
 from geoshard.retry import Backoff
 from geoshard.sources import REQUEST_TIMEOUT_S
 from geoshard.sync.remote import Bucket, BucketTarget
 from geoshard.sync.transfer import Transfer, Transferer
-from geoshard.verify import sha256_file
+from geoshard.verify import algorithm_for, shard_matches
 
 log = logging.getLogger(__name__)
 _sleep = time.sleep  # module-level so tests can record the backoff without touching time.sleep
@@ -34,6 +36,7 @@ class PullSettings:
     workers: int = 64
     timeout_s: float = REQUEST_TIMEOUT_S  # each S3 request's connect and read bound (two tries)
     backoff: Backoff = field(default_factory=lambda: Backoff(attempts=3, base=1.0))
+    verify: str = "xxh3"  # "xxh3" (the manifest's xxh3_128, sha256 where it has none) or "sha256"
 
 
 @dataclass
@@ -44,13 +47,10 @@ class PullReport:
     failed: int = 0
     bytes_downloaded: int = 0
     seconds: float = 0.0
+    hash: str = ""  # the digest every shard was checked by: "xxh3_128", "sha256", or both ("sha256+xxh3_128")
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-
-def _ok(path: Path, shard: ShardEntry) -> bool:
-    return path.is_file() and path.stat().st_size == shard.bytes and sha256_file(path)[0] == shard.sha256
 
 
 def pull(
@@ -67,10 +67,11 @@ def pull(
     manifest = parse_region_manifest(data, target.url(MANIFEST))
     for s in manifest.shards:  # before anything is written: every path stays under --to
         check_shard_path(s.path, target.url(MANIFEST))
-    report = PullReport(region=target.region)
+    mode = settings.verify
+    report = PullReport(region=target.region, hash="+".join(sorted({algorithm_for(s, mode) for s in manifest.shards})))
     root = settings.to
     root.mkdir(parents=True, exist_ok=True)
-    missing = [s for s in manifest.shards if not _ok(root / s.path, s)]
+    missing = [s for s in manifest.shards if not shard_matches(root / s.path, s, mode)]
     report.skipped = len(manifest.shards) - len(missing)
     transferer = transferer or Transferer(workers=settings.workers)
     delays = settings.backoff.delays()
@@ -84,7 +85,7 @@ def pull(
         retry = []
         for s in missing:
             tmp = temp[s.path]
-            if target.url(s.path) not in failures and _ok(tmp, s):
+            if target.url(s.path) not in failures and shard_matches(tmp, s, mode):
                 os.replace(tmp, root / s.path)
                 report.downloaded += 1
                 report.bytes_downloaded += s.bytes
