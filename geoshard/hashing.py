@@ -10,6 +10,9 @@ Every shard carries two digests in its manifest:
   would be cryptographic, but ~3-5x slower than XXH3 per core, and its parallel speed needs the
   cores the loader's workers use.)
 
+A shard's chunks (runs of whole samples of about ``CHUNK_BYTES``) also get an xxh3-128 each
+(``ChunkHasher``), so a reader can fetch and check a part of a shard before the rest arrives.
+
 Both ``update`` calls release the GIL on large buffers, so threads hash in parallel with the
 consumer. Manifests written before the fast hash existed have no ``xxh3_128``; readers then fall
 back to sha256 (``verify_digest``).
@@ -80,6 +83,34 @@ class MultiHasher:
         return {a: h.hexdigest() for a, h in self._hashers.items()}
 
 
+class ChunkHasher:
+    """xxh3-128 of each chunk of a stream, cut where the caller says: the split cuts a shard at
+    sample boundaries, so every chunk can later be fetched, checked and parsed alone."""
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_128()
+        self._n = 0
+        self.sizes: list[int] = []
+        self.digests: list[str] = []
+
+    def update(self, data: Any) -> None:
+        self._h.update(data)
+        self._n += len(data)
+
+    @property
+    def pending(self) -> int:
+        """Bytes fed since the last cut."""
+        return self._n
+
+    def cut(self) -> None:
+        """End the current chunk (nothing if it is empty)."""
+        if self._n:
+            self.sizes.append(self._n)
+            self.digests.append(self._h.hexdigest())
+            self._h = xxhash.xxh3_128()
+            self._n = 0
+
+
 def file_digests(path: Path, *algorithms: str) -> tuple[dict[str, str], int]:
     """Hex digests of a file in one pass over its bytes, and its size."""
     hasher = MultiHasher(algorithms)
@@ -105,4 +136,4 @@ def verify_digest(data: Any, *, sha256_hex: str, xxh3_hex: str, mode: str) -> bo
     return sha256(data) == sha256_hex
 
 
-__all__ = ["ALGORITHMS", "FAST", "MultiHasher", "digest", "file_digests", "new", "sha256", "verify_digest", "xxh3_128"]
+__all__ = ["ALGORITHMS", "FAST", "ChunkHasher", "MultiHasher", "digest", "file_digests", "new", "sha256", "verify_digest", "xxh3_128"]

@@ -1,7 +1,8 @@
 """The manifests: the contract between split, sync, the loaders and users.
 
 ``DIR/manifest.json`` describes a split (plan, sources, generation, regions) and
-``DIR/<region>/manifest.json`` lists that region's shards with their sha256. Shard paths are
+``DIR/<region>/manifest.json`` lists that region's shards with their sha256, xxh3-128 and (since
+issue 12) per-chunk xxh3-128. Shard paths are
 relative to the region manifest's folder, never absolute, never containing ``..``.
 Region manifests are deterministic (no timestamps) so equal splits give equal bytes.
 """
@@ -24,6 +25,45 @@ VERSION = 1
 
 
 @dataclass(frozen=True)
+class ShardChunks:
+    """A shard cut into chunks of whole samples, each with its own fast hash (docs/manifest.md).
+
+    A chunk ends at the first sample boundary at or past ``size`` bytes (the last one also holds
+    the tar's end blocks), so any chunk can be read, checked and parsed alone."""
+
+    size: int
+    bytes: tuple[int, ...]  # per chunk
+    samples: tuple[int, ...]  # per chunk
+    xxh3_128: tuple[str, ...]  # per chunk, 32 hex digits
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "bytes": list(self.bytes), "samples": list(self.samples), "xxh3_128": list(self.xxh3_128)}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str, shard_bytes: int, shard_samples: int) -> ShardChunks:
+        try:
+            c = cls(
+                size=int(d["size"]),
+                bytes=tuple(int(b) for b in d["bytes"]),
+                samples=tuple(int(n) for n in d["samples"]),
+                xxh3_128=tuple(str(h) for h in d["xxh3_128"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"{where}: chunks: missing or invalid {e}") from e
+        n = len(c.bytes)
+        if not n or len(c.samples) != n or len(c.xxh3_128) != n:
+            raise DataError(f"{where}: chunks: bytes, samples and xxh3_128 must list the same number of chunks (at least one)")
+        if sum(c.bytes) != shard_bytes or sum(c.samples) != shard_samples or min(c.bytes) <= 0 or min(c.samples) < 0:
+            raise DataError(f"{where}: chunks: their bytes and samples must add up to the shard's ({shard_bytes}, {shard_samples})")
+        if not all(len(h) == 32 and all(ch in _HEX for ch in h) for h in c.xxh3_128):
+            raise DataError(f"{where}: chunks: every xxh3_128 must be 32 lowercase hex digits")
+        return c
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True)
 class ShardEntry:
     path: str
     samples: int
@@ -31,12 +71,30 @@ class ShardEntry:
     sha256: str
     group: int = 0
     xxh3_128: str = ""  # the fast hash of record (geoshard/hashing.py); "" in manifests written before it
+    chunks: ShardChunks | None = None  # per-chunk hashes; None in manifests written before them
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"path": self.path, "samples": self.samples, "bytes": self.bytes, "sha256": self.sha256, "group": self.group}
         if self.xxh3_128:
             d["xxh3_128"] = self.xxh3_128
+        if self.chunks is not None:
+            d["chunks"] = self.chunks.to_dict()
         return d
+
+    @classmethod
+    def from_dict(cls, s: Any, name: str) -> ShardEntry:
+        path = check_relpath(str(s["path"]), name)
+        samples, size = int(s["samples"]), int(s["bytes"])
+        chunks = s.get("chunks")
+        return cls(
+            path=path,
+            samples=samples,
+            bytes=size,
+            sha256=str(s["sha256"]),
+            group=int(s.get("group", 0)),
+            xxh3_128=str(s.get("xxh3_128", "")),
+            chunks=None if chunks is None else ShardChunks.from_dict(chunks, f"{name}: shard {path}", size, samples),
+        )
 
 
 @dataclass(frozen=True)
@@ -73,17 +131,7 @@ class RegionManifest:
     @classmethod
     def from_dict(cls, d: Any, name: str) -> RegionManifest:
         try:
-            shards = tuple(
-                ShardEntry(
-                    path=check_relpath(str(s["path"]), name),
-                    samples=int(s["samples"]),
-                    bytes=int(s["bytes"]),
-                    sha256=str(s["sha256"]),
-                    group=int(s.get("group", 0)),
-                    xxh3_128=str(s.get("xxh3_128", "")),
-                )
-                for s in d["shards"]
-            )
+            shards = tuple(ShardEntry.from_dict(s, name) for s in d["shards"])
             if d["format"] not in ("wds", "tfrecord"):
                 raise DataError(f"{name}: format must be 'wds' or 'tfrecord', got {d['format']!r}")
             return cls(
@@ -93,7 +141,7 @@ class RegionManifest:
                 plan_sha256=str(d.get("plan_sha256", "")),
                 shards=shards,
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise DataError(f"{name}: not a geoshard region manifest (missing or invalid {e})") from e
 
 

@@ -23,7 +23,7 @@ from geoshard.loaders.stats import LoaderStats
 from geoshard.loaders.tier import Tier, TierError, TierMissing, WritableTier, make_tier
 
 from geoshard.errors import ConfigError, DataError, StorageError
-from geoshard.hashing import verify_digest
+from geoshard.hashing import verify_digest, xxh3_128
 from geoshard.manifest import MANIFEST, RegionManifest, ShardEntry, parse_region_manifest
 from geoshard.paths import check_shard_path
 from geoshard.plan import Plan
@@ -98,6 +98,12 @@ class TierChain:
         for name, until in cooldowns.items():
             self._down_until[name] = max(self._down_until.get(name, 0.0), until)
 
+    @property
+    def reads_chunks(self) -> bool:
+        """Whether shards with chunk hashes are read chunk by chunk: not where a whole shard is
+        written back to the local replica, nor with ``verify="sha256"`` (chunks have only xxh3)."""
+        return self.settings.verify != "sha256" and not (self.settings.writeback and self.local is not None)
+
     def healthy(self, tier: Tier) -> bool:
         return self._clock() >= self._down_until.get(tier.name, 0.0)
 
@@ -109,7 +115,7 @@ class TierChain:
                 failures.append(f"{tier.name}: cooling down after a failure")
                 continue
             if tier.region and tier.region != self.region:
-                self._check_egress(tier, shard)
+                self._check_egress(tier, shard, shard.bytes)
             data = self._try(tier, shard, failures)
             if data is None:
                 continue
@@ -152,17 +158,108 @@ class TierChain:
             failures.append(f"{tier.name}: its {MANIFEST} describes region {m.region}")
         raise AllTiersFailed(f"region {self.region}: no tier has its {MANIFEST}: " + "; ".join(failures))
 
-    def _check_egress(self, tier: Tier, shard: ShardEntry) -> None:
+    def fetch_chunks(self, shard: ShardEntry, first: int, last: int, progress: Callable[[int], None] | None = None) -> bytes | memoryview:
+        """Chunks ``first`` to ``last`` (inclusive) of a shard with chunk hashes, as one buffer, from
+        the nearest tier that has them intact. ``progress(n)``: bytes arrived so far (S3 tiers)."""
+        c = shard.chunks
+        if c is None or not 0 <= first <= last < len(c.bytes):
+            raise ValueError(f"{shard.path}: no chunks {first}-{last}")
+        offset, length = sum(c.bytes[:first]), sum(c.bytes[first : last + 1])
+        failures: list[str] = []
+        for tier in self.tiers:
+            if not self.healthy(tier):
+                failures.append(f"{tier.name}: cooling down after a failure")
+                continue
+            if tier.region and tier.region != self.region:
+                self._check_egress(tier, shard, length)
+            data = self._try_chunks(tier, shard, first, last, offset, length, failures, progress)
+            if data is None:
+                continue
+            if tier.region and tier.region != self.region:
+                self.stats.add_egress(tier.region, self.region, len(data))
+            return data
+        what = f"chunk {first}" if first == last else f"chunks {first}-{last}"
+        raise AllTiersFailed(f"shard {shard.path} {what} (region {self.region}): no tier could serve it: " + "; ".join(failures))
+
+    def _try_chunks(
+        self,
+        tier: Tier,
+        shard: ShardEntry,
+        first: int,
+        last: int,
+        offset: int,
+        length: int,
+        failures: list[str],
+        progress: Callable[[int], None] | None,
+    ) -> bytes | memoryview | None:
+        assert shard.chunks is not None
+        delays = self.settings.backoff.delays()
+        while True:
+            t0 = self._clock()
+            try:
+                data: bytes | memoryview
+                if isinstance(tier, LocalTier):
+                    data = memoryview(tier.map(shard.path))[offset : offset + length]
+                elif progress is not None and hasattr(tier, "read_range") and tier.kind == "s3":
+                    data = tier.read_range(shard.path, offset, length, progress=progress)  # type: ignore[call-arg]
+                else:
+                    data = tier.read_range(shard.path, offset, length)
+            except TierMissing as e:
+                self.stats.count(tier.name, "misses")
+                failures.append(str(e))
+                return None
+            except TierError as e:
+                self.stats.count(tier.name, "errors")
+                delay = next(delays, None)
+                if delay is None:
+                    self._down_until[tier.name] = self._clock() + self.settings.cooldown_s
+                    level = logging.DEBUG if tier.name in self._warned else logging.WARNING
+                    self._warned.add(tier.name)
+                    log.log(level, "%s failed (%s); skipping it for %.0f s%s", tier.name, e, self.settings.cooldown_s, _ONCE)
+                    failures.append(str(e))
+                    return None
+                self._sleep(delay)
+                continue
+            bad = self._bad_chunk(shard, first, last, data)
+            if bad:
+                self.stats.count(tier.name, "verify_failures")
+                failures.append(f"{tier.name}: {bad}")
+                if isinstance(tier, LocalTier):
+                    data = b""  # let go of the mapping before the file goes
+                    tier.remove(shard.path)  # never serve a corrupt local copy again
+                return None
+            self.stats.hit(tier.name, len(data), self._clock() - t0)
+            return data
+
+    def _bad_chunk(self, shard: ShardEntry, first: int, last: int, data: bytes | memoryview) -> str:
+        """What is wrong with chunks ``first``-``last`` in ``data`` ("" when they match the manifest)."""
+        c = shard.chunks
+        assert c is not None
+        expected = sum(c.bytes[first : last + 1])
+        if len(data) != expected:
+            return f"{shard.path} chunks {first}-{last}: {len(data)} of {expected} bytes"
+        if self.settings.verify == "size":
+            return ""
+        view, pos = memoryview(data), 0
+        for i in range(first, last + 1):
+            end = pos + c.bytes[i]
+            if xxh3_128(view[pos:end]) != c.xxh3_128[i]:
+                start = sum(c.bytes[:i])
+                return f"{shard.path} chunk {i} (bytes {start}-{start + c.bytes[i] - 1}) does not match its manifest's xxh3_128"
+            pos = end
+        return ""
+
+    def _check_egress(self, tier: Tier, shard: ShardEntry, nbytes: int) -> None:
         if self.settings.egress_budget is None:
             return
         shares = max(1, self.settings.egress_shares)
         budget = self.settings.egress_budget // shares
         used = sum(self.stats.snapshot()["egress_bytes"].values())
-        if used + shard.bytes > budget:
+        if used + nbytes > budget:
             of = f" (this loader worker's 1/{shares} of the rank's budget)" if shares > 1 else " per rank"
             raise EgressBudgetExceeded(
-                f"egress budget: reading {shard.path} ({shard.bytes:,} bytes) from {tier.region}'s bucket into {self.region} "
-                f"would bring cross-region reads to {used + shard.bytes:,} bytes, over the budget of {budget:,} bytes{of} "
+                f"egress budget: reading {shard.path} ({nbytes:,} bytes) from {tier.region}'s bucket into {self.region} "
+                f"would bring cross-region reads to {used + nbytes:,} bytes, over the budget of {budget:,} bytes{of} "
                 f"(egress.budget in the plan); fill {self.region}'s own copies (geoshard sync, pull) or raise the budget"
             )
 

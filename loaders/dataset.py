@@ -3,7 +3,10 @@ tier chain (Alluxio, local replica, the region's bucket, other regions' buckets)
 
 The epoch's order is computed from the manifest alone (``epoch.py``), so each rank and DataLoader
 worker knows which shards it needs before reading any: they are prefetched in that order, and a
-resumed run skips what was consumed without reading it again. The chain (S3 clients, Alluxio
+resumed run skips what was consumed without reading it again. Where the manifest has chunk hashes
+a worker fetches pieces of shards (``pieces.py``), the rank's workers taking turns on the link in
+the order its batches need them (``fetchqueue.py``): the first batch waits for its own chunk, not
+for whole shards. The chain (S3 clients, Alluxio
 sessions, thread pools) is built lazily in the process that iterates, never pickled.
 """
 
@@ -19,10 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from geoshard.loaders.balance import Balance, balance
 from geoshard.loaders.chain import ChainSettings, TierChain, build_chain
 from geoshard.loaders.decode import DecodeSpec, apply, collate, make_decoder, pack, tensor_spec
-from geoshard.loaders.epoch import Layout, Remainder, per_rank, rank_plan
+from geoshard.loaders.epoch import Layout, Remainder, need_positions, per_rank, rank_plan
+from geoshard.loaders.fetchqueue import FetchQueue
+from geoshard.loaders.pieces import ChunkMap, Piece, WorkerPieces, key, rank_order, worker_pieces
 from geoshard.loaders.prefetch import Prefetcher
 from geoshard.loaders.shard import Shard
 from geoshard.loaders.stats import LoaderStats
@@ -36,6 +42,7 @@ from geoshard.plan import Plan, load_plan
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 2  # 2: keyed by region and rank within the region
+_TAR_END = bytes(1024)  # a piece of a tar that ends before the shard does gets end blocks to parse alone
 _STATS_EVERY_S = 0.25  # how often a DataLoader worker ships its counters with a batch
 
 
@@ -58,6 +65,7 @@ class EpochStart:
     tagged: bool = False
     slots: Any = None  # a SlotPool shared with the training process, for TensorSpec batches (slots.py)
     slot_tag: int = 0  # this iteration's mark on the slots its workers fill
+    fetch_queue: Any = None  # the rank's fetch order, shared by the workers it forks (fetchqueue.py)
 
     @property
     def num_workers(self) -> int:
@@ -342,23 +350,65 @@ class RegionalDataset(IterableDataset[Any]):
         worker = (info.id + start.rotation) % info.num_workers
         return self._generate(worker, info.num_workers, start, count=False)
 
-    def _generate(self, worker: int, num_workers: int, start: EpochStart, count: bool) -> Iterator[Any]:
-        layout = dataclasses.replace(self.layout, num_workers=num_workers)
+    def rank_pieces(self, start: EpochStart) -> tuple[list[WorkerPieces], list[list[int]], list[tuple[np.ndarray, np.ndarray]]]:
+        """Per logical worker of this rank: its pieces (after its skip), their places in the rank's
+        fetch order, and its stream (shards, indices). The same in every process of the rank."""
+        layout = dataclasses.replace(self.layout, num_workers=start.num_workers)
         plan = rank_plan(self._counts, start.epoch, layout)
-        shards, idx = plan.worker_stream(worker, layout, start.epoch)
-        skip = start.skips[worker]
-        shard_ids, indices = shards[skip:].tolist(), idx[skip:].tolist()
-        last_use = {s: i for i, s in enumerate(shard_ids)}
-        order = list(dict.fromkeys(shard_ids))
+        cmap = ChunkMap(self.manifest.shards, self.chain().reads_chunks)
+        per_worker, streams = [], []
+        for w in range(start.num_workers):
+            shards, idx = plan.worker_stream(w, layout, start.epoch)
+            skip = start.skips[w]
+            need = np.maximum(need_positions(len(shards), layout)[skip:], skip) - skip
+            per_worker.append(worker_pieces(shards[skip:], idx[skip:], need, cmap))
+            streams.append((shards[skip:], idx[skip:]))
+        places = rank_order([p.pieces for p in per_worker], self.layout.batch_size, start.rotation)
+        return per_worker, places, streams
+
+    def fetch_queue(self, start: EpochStart) -> FetchQueue:
+        """The rank's fetch order for an iteration beginning at ``start`` (made before the workers fork)."""
+        per_worker, places, _ = self.rank_pieces(start)
+        sizes = [0] * sum(len(p.pieces) for p in per_worker)
+        for wp, pl in zip(per_worker, places, strict=True):
+            for p, g in zip(wp.pieces, pl, strict=True):
+                sizes[g] = p.length
+        return FetchQueue(sizes)
+
+    def _generate(self, worker: int, num_workers: int, start: EpochStart, count: bool) -> Iterator[Any]:
+        per_worker, places, streams = self.rank_pieces(start)
+        mine, place = per_worker[worker], places[worker]
+        shard_arr, idx_arr = streams[worker]
+        shard_ids, indices, chunk_ids = shard_arr.tolist(), idx_arr.tolist(), mine.chunks.tolist()
+        pieces, last_use = mine.pieces, mine.last_use
+        fq = start.fetch_queue if isinstance(start.fetch_queue, FetchQueue) and start.fetch_queue.size == sum(map(len, places)) else None
         chain = self.chain()
         entries = self.manifest.shards
         fmt = self.manifest.format
+        copy = self.copy
+        prefetcher: Prefetcher[Shard]
 
-        def fetch(s: int) -> Shard:
-            return Shard(entries[s].path, chain.fetch(entries[s]), fmt, copy=self.copy)
+        def fetch(k: int) -> Shard:
+            p: Piece = pieces[k]
+            entry, g = entries[p.shard], place[k]
+            if fq is not None:
+                fq.wait_turn(g, prefetcher.stopped)
+            try:
+                if not p.chunked:
+                    return Shard(entry.path, chain.fetch(entry), fmt, copy=copy)
+                progress = (lambda n: fq.arrived(g, n)) if fq is not None else None
+                data = chain.fetch_chunks(entry, p.first, p.last, progress)
+                assert entry.chunks is not None
+                if fmt == "wds" and p.last < len(entry.chunks.bytes) - 1:
+                    data = b"".join((data, _TAR_END))
+                return Shard(entry.path, data, fmt, copy=copy)
+            finally:
+                if fq is not None:
+                    fq.done(g)
 
-        prefetcher: Prefetcher[Shard] = Prefetcher(fetch, order, self.prefetch)
-        open_shards: dict[int, Shard] = {}
+        prefetcher = Prefetcher(fetch, list(range(len(pieces))), self.prefetch, [p.ordinal for p in pieces])
+        open_chunks: dict[int, tuple[Shard, int]] = {}  # key(shard, chunk) -> (its piece's Shard, the piece's first sample)
+        loaded = 0  # pieces taken from the prefetcher so far
         decoder = self.decoder
         bs = self.layout.batch_size if self.batched else 0
         batch: list[Any] = []
@@ -366,15 +416,21 @@ class RegionalDataset(IterableDataset[Any]):
         last = len(shard_ids) - 1
         shipped = time.monotonic()
         try:
-            for i, (s, j) in enumerate(zip(shard_ids, indices, strict=True)):
-                shard = open_shards.get(s)
-                if shard is None:
-                    shard = open_shards[s] = prefetcher.get(s)
-                item = shard.sample(j)
+            for i, (s, j, c) in enumerate(zip(shard_ids, indices, chunk_ids, strict=True)):
+                k = key(s, c)
+                got = open_chunks.get(k)
+                while got is None:  # the next pieces in order, up to the one holding this sample
+                    p, piece = pieces[loaded], prefetcher.get(loaded)
+                    loaded += 1
+                    for cc in range(p.first, p.last + 1):
+                        open_chunks[key(p.shard, cc)] = (piece, p.sample0)
+                    got = open_chunks.get(k)
+                shard, base = got
+                item = shard.sample(j - base)
                 if decoder is not None:
                     item = apply(decoder, item, shard.path)
-                if last_use[s] == i:
-                    del open_shards[s]  # its last sample this epoch: let the memory go
+                if last_use[k] == i:
+                    del open_chunks[k]  # its last sample this epoch: let the memory go
                 if bs:
                     batch.append(item)
                     if tensors is not None:

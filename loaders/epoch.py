@@ -17,13 +17,16 @@ the whole job (``balance.py``) so that every rank of every region yields the sam
    a rank reads only the shards of its range (a shard on a boundary is read by both neighbours).
 4. The rank's stream is cut into batches and the batches into ``num_workers`` contiguous runs, so
    each worker reads its own shards and every rank yields the same number of batches.
-5. Within a worker's run, samples are shuffled inside consecutive windows of ``shuffle_buffer``
-   samples (seeded by seed, epoch, rank and worker): a block shuffle, whose memory is bounded by
-   the shards a window spans.
+5. Within a worker's run, samples are shuffled inside consecutive windows (seeded by seed, epoch,
+   rank and worker): a block shuffle, whose memory is bounded by the shards a window spans. The
+   first window is one batch, each next one twice the last, up to ``shuffle_buffer`` samples: a
+   worker's first batch needs only its own samples (one chunk of a shard, not the whole first
+   ``shuffle_buffer``), so it can come as soon as they have crossed the link.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -86,12 +89,33 @@ class RankPlan:
         if layout.shuffle and layout.shuffle_buffer > 1 and n > 1:
             # Shuffled inside the worker's own range, so workers never read each other's shards.
             rng = _rng(layout.seed, epoch, layout.rank, worker, 1)
-            w = layout.shuffle_buffer
             perm = np.arange(n)
-            for s in range(0, n, w):
-                perm[s : s + w] = s + rng.permutation(min(w, n - s))
+            bounds = windows(n, layout)
+            for s, e in itertools.pairwise(bounds):
+                perm[s:e] = s + rng.permutation(e - s)
             shard, index = shard[perm], index[perm]
         return shard, index
+
+
+def windows(n: int, layout: Layout) -> list[int]:
+    """Where the shuffle windows of a worker's ``n`` samples begin, and ``n``: one batch first,
+    then twice the last window each time, up to ``shuffle_buffer``."""
+    out, pos, w = [0], 0, min(layout.batch_size, layout.shuffle_buffer)
+    while pos < n:
+        pos = min(n, pos + w)
+        out.append(pos)
+        w = min(2 * w, layout.shuffle_buffer)
+    return out
+
+
+def need_positions(n: int, layout: Layout) -> np.ndarray:
+    """For each of a worker's ``n`` samples, the position from which it may be yielded: the start
+    of its shuffle window (any sample of a window may come first), or its own without shuffling."""
+    pos = np.arange(n, dtype=np.int64)
+    if not (layout.shuffle and layout.shuffle_buffer > 1):
+        return pos
+    bounds = np.asarray(windows(n, layout), dtype=np.int64)
+    return bounds[np.searchsorted(bounds, pos, side="right") - 1]
 
 
 def _rng(*key: int) -> np.random.Generator:

@@ -3,6 +3,7 @@ workers, tracks what the training loop consumed (for exact resume) and gathers t
 counters; and ``timed``, which measures how long the consumer waits for each batch.
 
 Batches are collated in the workers so each crosses the process boundary as one pickled object.
+The workers of an iteration share one fetch order (``fetchqueue.py``), made here before they fork.
 Tiers a worker found failing stay cooled down for the workers of the next epoch, which fork from
 the training process. DataLoader hands out worker results round-robin, skipping exhausted
 workers; a resumed epoch rotates which logical worker each process plays so that the rest of the
@@ -83,6 +84,8 @@ class RegionalLoader(DataLoader[Any]):
         tag = self._slot_tag() if self.dataset.tensors is not None and self.num_workers else 0
         if tag:
             start = dataclasses.replace(start, slots=self._slots, slot_tag=tag)
+        if self.num_workers:  # the rank's fetch order, inherited by the workers forked below (fetchqueue.py)
+            start = dataclasses.replace(start, fetch_queue=self.dataset.fetch_queue(start))
         with self.dataset.handing_over(start):
             # Forks the workers, which take the start with them; without workers the generator is
             # made here, in this process, with the start bound to it.

@@ -3,12 +3,15 @@ short timeouts, one attempt per call (the chain owns retries and cooldowns)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from geoshard.loaders.tier import TierError, TierMissing
 
 from geoshard import s3
 from geoshard.endpoints import display_endpoint
+
+_PIECE = 256 << 10
 
 
 class S3Tier:
@@ -50,21 +53,29 @@ class S3Tier:
                 return None
             raise err from e
 
-    def _get(self, path: str, **kw: Any) -> bytes:
+    def _get(self, path: str, progress: Callable[[int], None] | None = None, **kw: Any) -> bytes:
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             body = self.client.get_object(Bucket=self.bucket, Key=self._key(path), **kw)["Body"]
             with body:
-                data: bytes = body.read()
-            return data
+                if progress is None:
+                    data: bytes = body.read()
+                    return data
+                parts = []
+                while part := body.read(_PIECE):
+                    parts.append(part)
+                    progress(len(part))
+            return b"".join(parts)
         except (ClientError, BotoCoreError) as e:
             raise self._fail(path, e) from e
 
     def read(self, path: str) -> bytes:
         return self._get(path)
 
-    def read_range(self, path: str, offset: int, length: int) -> bytes:
+    def read_range(self, path: str, offset: int, length: int, progress: Callable[[int], None] | None = None) -> bytes:
+        """``length`` bytes from ``offset``; ``progress(n)`` is called as each part of the body
+        arrives (the rank's fetch queue lets the next request start before this one ends)."""
         if length <= 0:
             return b""
-        return self._get(path, Range=f"bytes={offset}-{offset + length - 1}")
+        return self._get(path, progress, Range=f"bytes={offset}-{offset + length - 1}")

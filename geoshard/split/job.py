@@ -310,7 +310,7 @@ def _manifests(
     summaries: dict[str, RegionSummary] = {}
     for name in plan.region_names:
         mine = [s for r in results for s in r.shards if s.region == name]
-        fresh = [ShardEntry(s.name, s.samples, s.bytes, s.sha256, s.group, s.xxh3_128) for s in mine]
+        fresh = [ShardEntry(s.name, s.samples, s.bytes, s.sha256, s.group, s.xxh3_128, s.chunks) for s in mine]
         shards = tuple(sorted(fresh + kept[0].get(name, []), key=lambda e: e.path))
         rm = RegionManifest(region=name, format=fmt, generation=generation, plan_sha256=plan_sha, shards=shards)
         regions[name] = rm

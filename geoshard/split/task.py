@@ -19,8 +19,8 @@ from typing import Any
 from geoshard.errors import DataError, GeoshardError, StorageError
 from geoshard.formats import SHARD_SUFFIX, Format, tfrecord, wds
 from geoshard.formats._window import Readable
-from geoshard.hashing import FAST, MultiHasher
-from geoshard.manifest import SourceEntry
+from geoshard.hashing import FAST, ChunkHasher, MultiHasher
+from geoshard.manifest import ShardChunks, SourceEntry
 from geoshard.routing import SLOT_BITS, RouteSpec, feature_key, key_hash
 from geoshard.sources import HashingReader, S3Access, SourceRef, open_source
 
@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 PROGRESS_TOPIC = "geoshard-split-progress"
 _FLUSH = 1 << 20
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
+# A shard's chunks (each with its xxh3-128 in the manifest) end at the first sample boundary past
+# this size. 1 MiB: a reader's first batch (a batch of 128 samples of a few KB is ~0.5 MB) needs one
+# or two chunks, not a whole shard; ~35 manifest bytes per MiB of data (35 MB for 1 TB) is the cost.
+CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class ShardOut:
     sha256: str
     group: int
     xxh3_128: str = ""
+    chunks: ShardChunks | None = None
 
 
 @dataclass
@@ -88,14 +93,25 @@ class _ShardWriter:
         self.parts: list[bytes | memoryview] = []
         self.pending = 0
         self.hasher = MultiHasher(("sha256", FAST))  # both digests of record, fed once per flush
+        self.chunks = ChunkHasher()
+        self.chunk_bytes = 0  # of the chunk being filled, counted as samples are added
+        self.chunk_samples: list[int] = [0]  # samples per chunk
+        self.cuts: list[int] = []  # positions in self.parts where a new chunk begins
         self.bytes = 0
         self.samples = 0
 
     def _flush(self) -> None:
         # Hash each part and hand the list to writev: the samples are copied once, into the kernel.
-        update = self.hasher.update
-        for part in self.parts:
+        update, chunk = self.hasher.update, self.chunks.update
+        cuts = iter(self.cuts)
+        cut = next(cuts, -1)
+        for i, part in enumerate(self.parts):
+            if i == cut:
+                self.chunks.cut()
+                cut = next(cuts, -1)
             update(part)
+            chunk(part)
+        self.cuts = []
         fd = self.f.fileno()
         parts = self.parts
         while parts:
@@ -119,7 +135,13 @@ class _ShardWriter:
         t = self.task
         if self.samples and (self.bytes + size + self.trailer > t.target_bytes or (t.target_samples and self.samples >= t.target_samples)):
             self._roll()
+        if self.chunk_bytes >= CHUNK_BYTES:  # the chunk is full: this sample begins the next one
+            self.cuts.append(len(self.parts))
+            self.chunk_samples.append(0)
+            self.chunk_bytes = 0
         self.parts.append(raw)  # a memoryview into the read window: copied once, at flush
+        self.chunk_bytes += size
+        self.chunk_samples[-1] += 1
         self.bytes += size
         self.samples += 1
         self.pending += size
@@ -136,12 +158,14 @@ class _ShardWriter:
             return
         size = self.path.stat().st_size
         digests = self.hasher.hexdigests()
+        self.chunks.cut()  # the last chunk holds the end blocks too
+        chunks = ShardChunks(CHUNK_BYTES, tuple(self.chunks.sizes), tuple(self.chunk_samples), tuple(self.chunks.digests))
         sha = digests["sha256"]
         # The content hash in the name makes shards immutable objects: a changed shard gets a new
         # name, so caches and buckets never serve stale bytes under an old name.
         name = f"{self.task.group:05d}-{self.part:04d}-{sha[:12]}{SHARD_SUFFIX[self.task.fmt]}"
         os.replace(self.path, self.dir / name)
-        self.done.append(ShardOut(self.region, name, self.samples, size, sha, self.task.group, digests[FAST]))
+        self.done.append(ShardOut(self.region, name, self.samples, size, sha, self.task.group, digests[FAST], chunks))
 
     def _roll(self) -> None:
         self._close()
