@@ -147,13 +147,21 @@ class RegionManifest:
 
 @dataclass(frozen=True)
 class SourceEntry:
+    """An input as the split read it. Splits record its xxh3_128 (the change check of an
+    incremental split needs no cryptographic hash; the shards keep their sha256); manifests
+    written before that record its sha256, and still read and compare."""
+
     url: str
     size: int
     sha256: str
     group: int
+    xxh3_128: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"url": self.url, "size": self.size, "sha256": self.sha256, "group": self.group}
+        d: dict[str, Any] = {"url": self.url, "size": self.size}
+        d |= {"sha256": self.sha256} if self.sha256 else {}
+        d |= {"xxh3_128": self.xxh3_128} if self.xxh3_128 else {}
+        return d | {"group": self.group}
 
 
 @dataclass(frozen=True)
@@ -216,7 +224,13 @@ class Manifest:
                 layout_sha256=str(d.get("layout_sha256", "")),
                 regions=regions,
                 sources=tuple(
-                    SourceEntry(url=str(s["url"]), size=int(s["size"]), sha256=str(s["sha256"]), group=int(s.get("group", 0)))
+                    SourceEntry(
+                        url=str(s["url"]),
+                        size=int(s["size"]),
+                        sha256=str(s.get("sha256", "")),
+                        group=int(s.get("group", 0)),
+                        xxh3_128=str(s.get("xxh3_128", "")),
+                    )
                     for s in d.get("sources", [])
                 ),
             )

@@ -106,3 +106,49 @@ def _count(server: SeaweedS3, bucket: str) -> int:
             return int(c.list_objects_v2(Bucket=bucket).get("KeyCount", 0))
         except c.exceptions.NoSuchBucket:
             return 0
+
+
+def test_sources_are_recorded_by_xxh3_and_a_manifest_with_their_sha256_still_finds_changes(tmp_path: Path, aws: SeaweedS3) -> None:
+    """The split records each source's xxh3_128 (no second sha256 pass over the corpus); a top
+    manifest written before that (sources by sha256) still tells changed sources from unchanged."""
+    import hashlib
+
+    import xxhash
+    from guaranteekit import geoshard
+
+    plan, _ = sync_plan(tmp_path / "plan.toml", aws, "srchash", shard_bytes="16KB")
+    (tmp_path / "c").mkdir()
+    files = [tmp_path / "c" / f"part-{i}.tar" for i in range(4)]
+    for i, f in enumerate(files):
+        _source(f, f"p{i}-", 30)
+    out = tmp_path / "out"
+
+    def run() -> dict:  # type: ignore[type-arg]
+        r = geoshard("refresh", tmp_path / "c", "--plan", plan, "--out", out, "--create-buckets", "--json", cwd=tmp_path, timeout=180)
+        assert (r.rc, r.err) == (0, ""), r.err
+        return json.loads(r.out)["split"]  # type: ignore[no-any-return]
+
+    assert run()["generation"] == 1
+    top = json.loads((out / "manifest.json").read_text())
+    assert [s["url"] for s in top["sources"]] == [str(f) for f in files]
+    for s, f in zip(top["sources"], files, strict=True):
+        assert s == {"url": str(f), "size": f.stat().st_size, "xxh3_128": xxhash.xxh3_128(f.read_bytes()).hexdigest(), "group": s["group"]}
+    assert len({s["group"] for s in top["sources"]}) == 4  # one group each
+
+    # The manifest as an older geoshard wrote it: sources by sha256.
+    for s, f in zip(top["sources"], files, strict=True):
+        del s["xxh3_128"]
+        s["sha256"] = hashlib.sha256(f.read_bytes()).hexdigest()
+    (out / "manifest.json").write_text(json.dumps(top, indent=1, sort_keys=True) + "\n")
+    assert run()["unchanged"]
+
+    # One source changes in place, same size: its group alone runs again.
+    data = bytearray(files[2].read_bytes())
+    data[600] ^= 0x01  # inside the first sample's payload
+    files[2].write_bytes(bytes(data))
+    split = run()
+    assert (split["generation"], split["groups_run"], split["samples_split"]) == (2, [top["sources"][2]["group"]], 30)
+    after = json.loads((out / "manifest.json").read_text())["sources"]
+    assert after[:2] + after[3:] == top["sources"][:2] + top["sources"][3:]  # kept as they were, by sha256
+    assert after[2] == {"url": str(files[2]), "size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest(), "group": after[2]["group"]}
+    assert run()["unchanged"]

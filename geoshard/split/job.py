@@ -21,6 +21,7 @@ from typing import Any
 
 from geoshard.errors import ConfigError, DataError, LockedError, StorageError
 from geoshard.formats import Format
+from geoshard.hashing import FAST
 from geoshard.manifest import (
     MANIFEST,
     Manifest,
@@ -275,15 +276,16 @@ def plan_increment(
 ) -> tuple[list[tuple[int, tuple[SourceRef, ...]]], dict[int, tuple[SourceRef, ...]]]:
     """Groups to re-split (a source changed or vanished) or to add (new sources), and groups to keep.
 
-    A source is unchanged when its path, size and sha256 match the manifest; only sources whose
+    A source is unchanged when its path, size and digest match the manifest (its xxh3_128, or its
+    sha256 in a manifest written before sources were recorded by xxh3_128); only sources whose
     size still matches are re-hashed.
     """
     current = {r.url: r for r in refs}
     changed = {s.group for s in previous.sources if s.url not in current or current[s.url].size != s.size}
     same_size = [(s, current[s.url]) for s in previous.sources if s.url in current and current[s.url].size == s.size]
-    with ThreadPoolExecutor(max_workers=4) as pool:  # hashlib releases the GIL
-        digests = list(pool.map(lambda pair: hash_source(pair[1], s3), same_size))
-    changed |= {s.group for (s, _), digest in zip(same_size, digests, strict=True) if digest != s.sha256}
+    with ThreadPoolExecutor(max_workers=4) as pool:  # both hashes release the GIL
+        digests = list(pool.map(lambda pair: hash_source(pair[1], s3, FAST if pair[0].xxh3_128 else "sha256"), same_size))
+    changed |= {s.group for (s, _), digest in zip(same_size, digests, strict=True) if digest != (s.xxh3_128 or s.sha256)}
     groups: dict[int, list[SourceRef]] = {}
     for s in previous.sources:
         if s.url in current:

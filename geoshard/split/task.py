@@ -229,7 +229,7 @@ def run_group(task: GroupTask) -> GroupResult:
             if ends:
                 result.truncated.append((ref.url, n))
             result.samples_in += n
-            result.sources.append(SourceEntry(ref.url, hashing.size, hashing.sha.hexdigest(), task.group))
+            result.sources.append(SourceEntry(ref.url, hashing.size, "", task.group, xxh3_128=hashing.hexdigest()))
             if hashing.size != ref.size:
                 raise DataError(f"{ref.url}: changed while being split ({ref.size} bytes listed, {hashing.size} read)")
         for w in writers:
