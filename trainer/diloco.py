@@ -299,6 +299,8 @@ class DiLoCo:
             if latest is None and self.region == self.regions[0] and store.add(self._key("created"), 1) == 1:
                 self._set_outer(self._flat(), None)
                 store.set(self._key("config"), json.dumps(self._contract()))
+                for g in self.regions:  # every region is expected from round 1 (until it is waited for in vain)
+                    store.set(self._roster_key(g), "1")
                 store.set(self._key("r", 0, "members"), ",".join(self.regions))
                 self._publish_state(0, 0)
                 latest, created = 0, True
@@ -314,7 +316,7 @@ class DiLoCo:
             self._load_flat(self.outer)
             self.round = r + 1
             # The others wait for this region from the round after the one it starts from.
-            store.set(self._key("joined", self.region), str(self.round))
+            store.set(self._roster_key(self.region), str(self.round))
             rec = JoinRecord(r, step, created, nbytes)
             log.info("DiLoCo: region %s starts from outer round %d (step %d)", self.region, r, step)
         rec = self._in_region(rec)
@@ -340,101 +342,114 @@ class DiLoCo:
             rec = dataclasses.replace(rec, sync_s=time.perf_counter() - t0)
         return rec
 
-    def _expected(self, r: int) -> list[str]:
-        """The members of round ``r-1``, and every region that announced it is back from round ``r`` or
-        earlier (a closer withdraws the announcement of a region it waited for in vain)."""
+    def _roster_key(self, region: str) -> str:
+        return self._key("roster", region)
+
+    def _roster(self) -> tuple[dict[str, str], int]:
+        """Every region's roster entry and the newest published round, in one round trip: ``R``
+        (expected from round R on), ``-1`` (waited for in vain; expected again once it announces
+        itself), ``left`` (finished its steps)."""
+        keys = [self._roster_key(g) for g in self.regions] + [self._key("latest")]
+        values = [v.decode() for v in self._get_many(keys)]
+        return dict(zip(self.regions, values[:-1], strict=True)), int(values[-1])
+
+    def _get_many(self, keys: list[str]) -> list[bytes]:
+        """Values of keys that exist: one round trip on a TCPStore (``multi_get``), else one each."""
         assert self.store is not None
-        members = self._members(r - 1) or self.regions
-        left = self.left()
-        out = []
-        for region in self.regions:
-            jk = self._key("joined", region)
-            if region in left:
-                continue
-            if region in members or (self.store.check([jk]) and 0 <= int(self.store.get(jk)) <= r):
-                out.append(region)
-        return out
+        multi_get = getattr(self.store, "multi_get", None)
+        return list(multi_get(keys)) if multi_get is not None else [self.store.get(k) for k in keys]
+
+    def _wait_all(self, keys: list[str], timeout_s: float) -> bool:
+        """Until every key exists (True) or ``timeout_s`` passed (False). A TCPStore waits on its
+        server (one round trip once the last key is there); other stores are polled."""
+        assert self.store is not None
+        wait = getattr(self.store, "wait", None)
+        if wait is not None:
+            try:
+                wait(keys, datetime.timedelta(seconds=max(0.001, timeout_s)))
+                return True
+            except RuntimeError:  # DistStoreError: the timeout (or the store gone: the next call says so)
+                return self.store.check(keys)
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check(keys):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL_S)
+        return True
 
     def left(self) -> set[str]:
         """Regions that finished their steps (``leave``): no longer waited for, nor counted missing."""
-        assert self.store is not None
-        return {g for g in self.regions if self.store.check([self._key("left", g)])}
+        roster, _ = self._roster()
+        return {g for g, v in roster.items() if v == "left"}
 
     def leave(self) -> None:
         """The region finished its steps: the others stop waiting for it from their next round on."""
         if self.is_leader and self.store is not None:
-            self.store.set(self._key("left", self.region), str(self.round))
+            self.store.set(self._roster_key(self.region), "left")
 
     def _members(self, r: int) -> tuple[str, ...] | None:
         assert self.store is not None
         key = self._key("r", r, "members")
         return tuple(self.store.get(key).decode().split(",")) if self.store.check([key]) else None
 
-    def _close(self, r: int, expected: list[str]) -> None:
-        """Write round ``r``'s members: the regions whose pseudo-gradient is there now."""
-        store = self.store
-        assert store is not None
-        present = [g for g in self.regions if store.check([self._grad_key(r, g)])]
-        for g in expected:
-            if g not in present:  # lost, or too slow: not waited for again until it announces itself
-                store.set(self._key("joined", g), "-1")
-        store.set(self._key("r", r, "members"), ",".join(present))  # last: a late region re-announces only after this
-
     def _leader_round(self, step: int, t0: float) -> RoundRecord:
+        """One round on the leader, in about six round trips to the store (it may be an ocean away)
+        plus the pseudo-gradients' bytes."""
         store, s, r = self.store, self.sync, self.round
         if store is None:
             raise OuterSyncError("DiLoCo: call join(store) before the first round")
         payload = encode(self.outer - self._flat(), s.compression)
         published = len(payload)
         store.set(self._grad_key(r, self.region), payload)
-        expected = self._expected(r)
-        expected_keys = [self._grad_key(r, g) for g in expected]
-        deadline = time.monotonic() + s.round_timeout_s
-        closer = False
+        roster, latest = self._roster()
+        gone = {g for g, v in roster.items() if v == "left"}
         members: tuple[str, ...] | None = None
-        while True:
-            members = self._members(r)
-            if members is not None:
-                break
-            latest = self._latest()
-            if latest is not None and latest >= r:  # closed long ago and forgotten: this region is rounds behind
-                break
-            if time.monotonic() > deadline + s.round_timeout_s:
-                raise OuterSyncError(f"DiLoCo: round {r} was neither closed nor published within {2 * s.round_timeout_s:g} s")
-            if (store.check(expected_keys) or time.monotonic() > deadline) and store.add(self._key("r", r, "close"), 1) == 1:
-                self._close(r, expected)
+        closer = False
+        if latest < r:  # else this region is rounds behind: the round closed and may be forgotten
+            expected = [g for g, v in roster.items() if v.lstrip("-").isdigit() and 0 <= int(v) <= r]
+            self._wait_all([self._grad_key(r, g) for g in expected], s.round_timeout_s)
+            members_key = self._key("r", r, "members")
+            if store.add(self._key("r", r, "close"), 1) == 1:
+                # The closer: the regions whose pseudo-gradient is there now are the round's members.
+                members = tuple(g for g in self.regions if g in expected and store.check([self._grad_key(r, g)]))
+                for g in expected:
+                    if g not in members:  # lost, or too slow: not waited for again until it announces itself
+                        store.set(self._roster_key(g), "-1")
+                store.set(members_key, ",".join(members))  # last: a late region re-announces only after this
                 closer = True
-                continue
-            time.sleep(POLL_S)
-        gone = self.left()
+            elif self._wait_all([members_key], s.round_timeout_s):
+                members = tuple(store.get(members_key).decode().split(","))
         missing = tuple(g for g in self.regions if (members is None or g not in members) and g not in gone)
         if members is None or self.region not in members:
             # Too late for this round: take the newest published result, and go on from there.
             adopted, _, nbytes = self._adopt_latest(r)
-            store.set(self._key("joined", self.region), str(adopted + 1))
+            store.set(self._roster_key(self.region), str(adopted + 1))
             log.warning("DiLoCo: region %s missed outer round %d; it continues from round %d's published state", self.region, r, adopted)
             took = self._members(adopted)  # the record describes the round whose result this region now holds
             missing = tuple(g for g in self.regions if took is not None and g not in took and g not in gone)
             return RoundRecord(adopted, step, took or (), missing, time.perf_counter() - t0, published, nbytes, s.compression, adopted=True)
+        others = [g for g in members if g != self.region]
+        received = dict(zip(others, self._get_many([self._grad_key(r, g) for g in others]), strict=True))
         total = torch.zeros_like(self.outer)
         read = 0
         for g in members:  # job order: every leader sums the same values in the same order
             if g == self.region:
                 total += decode(payload, s.compression).to(total.device)
-            else:
-                other = store.get(self._grad_key(r, g))
-                read += len(other)
-                if len(other) != len(payload):  # the contract check at join makes this a store gone wrong
-                    raise OuterSyncError(
-                        f"DiLoCo: region {g}'s pseudo-gradient for round {r} has {len(other)} bytes, expected {len(payload)}"
-                    )
-                total += decode(other, s.compression).to(total.device)
+                continue
+            other = received[g]
+            read += len(other)
+            if len(other) != len(payload):  # the contract check at join makes this a store gone wrong
+                raise OuterSyncError(f"DiLoCo: region {g}'s pseudo-gradient for round {r} has {len(other)} bytes, expected {len(payload)}")
+            total += decode(other, s.compression).to(total.device)
         assert self._opt is not None
         self.outer.grad = total / len(members)
         self._opt.step()
         self.outer.grad = None
         self._load_flat(self.outer)
-        if closer:
+        # Every member holds the same outer state; the job's first region publishes it (the launcher
+        # hosts the store beside it, so the fp32 state crosses no ocean), else the closer.
+        first = self.regions[0]
+        if (self.region == first) if first in members else closer:
             published += self._publish_state(r, step)
             self._forget(r - 2)
         if missing:
