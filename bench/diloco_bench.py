@@ -193,6 +193,7 @@ def main() -> int:
         p.error("--steps must be a multiple of every --outer-steps (the final model is then the outer one)")
 
     from geoshard.trainer.launch import RegionNet
+
     from geoshard.wan import Rehearsal, load_matrix, netns
 
     matrix = load_matrix(args.matrix)
