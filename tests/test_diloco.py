@@ -195,6 +195,30 @@ def test_with_h5_the_loss_goes_down_and_the_regions_agree(tmp_path: Path) -> Non
     assert all(r["bytes_read"] > 0 and r["compression"] == "fp16" and r["missing"] == [] for r in a["records"])
 
 
+def test_with_overlap_the_exchange_runs_behind_training_and_the_regions_still_agree(tmp_path: Path) -> None:
+    """H=10, the exchange 8 steps behind, a store 20 ms away per call; us-east-1 with 2 ranks."""
+    server = host_store()
+    port = _port()
+    procs = [start("overlap", REGIONS[0], r, 2, port, server.port, tmp_path) for r in (0, 1)]
+    procs.append(start("overlap", REGIONS[1], 0, 1, _port(), server.port, tmp_path))
+    finish(procs, tmp_path)
+    lead, other, far = (
+        json.loads((tmp_path / f"overlap-{g}-{r}.json").read_text()) for g, r in ((REGIONS[0], 0), (REGIONS[0], 1), (REGIONS[1], 0))
+    )
+    recs = lead["records"]
+    assert [r["round"] for r in recs] == list(range(1, 11))
+    assert [r["applied_step"] for r in recs] == [10 * n + 8 for n in range(1, 10)] + [100]  # the last one at the end
+    assert all(r["regions"] == list(REGIONS) and r["missing"] == [] for r in recs)
+    # The rounds took their time (each leader makes ten or more 20 ms calls), but training waited far less.
+    exchange = sum(r["exchange_s"] for r in recs[1:-1])  # the first round also waits for the slowest start
+    waited = sum(r["sync_s"] for r in recs[1:-1])
+    assert exchange > 8 * 0.2 and waited < 0.5 * exchange, (exchange, waited)
+    losses = lead["eval_loss"]
+    assert losses[-1] < 0.3 * losses[0], losses
+    # After the last round (nothing learnt since it started) every rank holds the outer parameters.
+    assert lead["digest"] == other["digest"] == far["digest"]
+
+
 def _lines(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []

@@ -92,6 +92,7 @@ class TrainConfig:
     outer_nesterov: bool = True
     outer_compression: str = "fp16"
     outer_timeout: float = 120.0  # seconds a region leader waits for the others at a round
+    outer_overlap: int = 0  # inner steps a round's exchange runs behind training (0: each round waits)
     outer_store: str | None = None  # HOST:PORT of the store the region leaders meet in (geoshard train hosts it)
     outer_regions: str | None = None  # the job's regions and ranks, REGION:RANKS,... (the same on every region)
     utilization_target: float = 0.95  # compute time / wall time the report holds the job to
@@ -106,6 +107,8 @@ class TrainConfig:
             raise ConfigError(f"--outer-momentum must be at least 0 and below 1, got {self.outer_momentum}")
         if self.outer_compression not in OUTER_COMPRESSIONS:
             raise ConfigError(f"--outer-compression must be one of {', '.join(OUTER_COMPRESSIONS)}, got {self.outer_compression!r}")
+        if not 0 <= self.outer_overlap < self.outer_steps:
+            raise ConfigError(f"--outer-overlap must be at least 0 and below --outer-steps ({self.outer_steps}), got {self.outer_overlap}")
         if not 0 < self.outer_timeout <= 86400:
             raise ConfigError(f"--outer-timeout must be above 0 and at most a day, got {self.outer_timeout}")
         if not 0 < self.utilization_target <= 1:

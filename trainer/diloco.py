@@ -30,6 +30,7 @@ import datetime
 import io
 import json
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,6 +72,10 @@ class OuterSync:
     compression: str = "fp16"  # of the pseudo-gradient on the long links: fp16 | bf16 | none
     round_timeout_s: float = 60.0  # how long a leader waits for the expected regions
     join_timeout_s: float = 300.0  # how long a starting region waits for the first published state
+    # Inner steps a round's exchange runs behind (0: the region waits for each round). With k > 0
+    # the round starts at step nH, training goes on, and at step nH + k the region takes the new
+    # outer parameters plus what it learnt in those k steps (Streaming DiLoCo's overlap, arXiv 2501.18512).
+    overlap_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.outer_steps < 1:
@@ -83,6 +88,8 @@ class OuterSync:
             raise ConfigError(f"outer compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
         if self.round_timeout_s <= 0 or self.join_timeout_s <= 0:
             raise ConfigError("round_timeout_s and join_timeout_s must be above 0")
+        if not 0 <= self.overlap_steps < self.outer_steps:
+            raise ConfigError(f"overlap_steps must be at least 0 and below outer_steps ({self.outer_steps}), got {self.overlap_steps}")
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,8 @@ class RoundRecord:
     bytes_read: int  # by this region's leader: the other regions' pseudo-gradients (or the state it adopted)
     compression: str
     adopted: bool = False  # this region missed the close and took the round's published state
+    exchange_s: float = 0.0  # the exchange itself (with overlap it runs behind training; sync_s is what training waited)
+    applied_step: int = 0  # the inner step at which the region took the round's result (step + overlap)
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,19 @@ class JoinRecord:
     step: int  # the inner step count of the region that published it
     created: bool  # this region published round 0 (a fresh job)
     bytes_read: int
+
+
+@dataclass
+class _Pending:
+    """A round whose exchange runs behind training (``overlap_steps`` > 0)."""
+
+    step: int
+    apply_at: int
+    snapshot: torch.Tensor | None = None  # the leader's parameters when the round started
+    thread: threading.Thread | None = None
+    record: RoundRecord | None = None
+    error: BaseException | None = None
+    blocked_s: float = 0.0
 
 
 def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
@@ -161,6 +183,8 @@ class DiLoCo:
         self.store: Store | None = None
         self._outer: torch.Tensor | None = None
         self._opt: torch.optim.SGD | None = None
+        self._pending: _Pending | None = None  # the round in flight (overlap_steps > 0)
+        self._step = 0  # the last inner step maybe_sync saw
 
     # -- keys -------------------------------------------------------------------------------
     def _key(self, *parts: object) -> str:
@@ -228,9 +252,7 @@ class DiLoCo:
             latest = self._latest()
             if latest is not None and latest >= at_least:
                 with contextlib.suppress(KeyError):  # a newer round's closer may have just dropped it
-                    r, step, nbytes = self._load_state(latest)
-                    self._load_flat(self.outer)
-                    return r, step, nbytes
+                    return self._load_state(latest)
             if time.monotonic() > deadline:
                 raise OuterSyncError(f"DiLoCo: no outer state of round {at_least} or later within {self.sync.round_timeout_s:g} s")
             time.sleep(POLL_S)
@@ -249,11 +271,11 @@ class DiLoCo:
         return len(payload)
 
     # -- region collectives -----------------------------------------------------------------
-    def _in_region(self, obj: Any) -> Any:
-        """Leader's new parameters and ``obj`` → every rank of the region."""
+    def _in_region(self, obj: Any, params: torch.Tensor | None = None) -> Any:
+        """Leader's new parameters (``params``, else the outer ones) and ``obj`` → every rank of the region."""
         if self.group is None:
             return obj
-        flat = self.outer.clone() if self.is_leader else self._flat()
+        flat = (self.outer if params is None else params).clone() if self.is_leader else self._flat()
         dist.broadcast(flat, group=self.group, group_src=0)
         box = [obj]
         dist.broadcast_object_list(box, group=self.group, group_src=0)
@@ -326,21 +348,76 @@ class DiLoCo:
 
     # -- the outer round ------------------------------------------------------------------------
     def maybe_sync(self, step: int) -> RoundRecord | None:
-        """After inner step ``step`` (1-based): a round when ``step`` is a multiple of ``outer_steps``."""
-        if step % self.sync.outer_steps:
-            return None
-        return self.sync_now(step)
+        """After inner step ``step`` (1-based): a round when ``step`` is a multiple of ``outer_steps``;
+        with ``overlap_steps`` k, the round starts there and its record comes k steps later."""
+        k = self.sync.overlap_steps
+        self._step = step
+        if k == 0:
+            return None if step % self.sync.outer_steps else self.sync_now(step)
+        rec = self.finish() if self._pending is not None and step >= self._pending.apply_at else None
+        if step % self.sync.outer_steps == 0:
+            self._start(step)
+        return rec
 
     def sync_now(self, step: int) -> RoundRecord:
         """Collective in the region: one outer round."""
         t0 = time.perf_counter()
-        rec = self._leader_round(step, t0) if self.is_leader else None
+        rec: RoundRecord | None = None
+        if self.is_leader:
+            rec = self._exchange(step, encode(self.outer - self._flat(), self.sync.compression), t0)
+            self._load_flat(self.outer)
+            rec = dataclasses.replace(rec, exchange_s=rec.sync_s, applied_step=step)
         rec = self._in_region(rec)
         assert rec is not None
         self.round = rec.round + 1
         if not self.is_leader:
             rec = dataclasses.replace(rec, sync_s=time.perf_counter() - t0)
         return rec
+
+    def _start(self, step: int) -> None:
+        """The leader starts the round's exchange in a thread; training goes on meanwhile."""
+        t0 = time.perf_counter()
+        pending = _Pending(step, step + self.sync.overlap_steps)
+        if self.is_leader:
+            pending.snapshot = self._flat()
+            payload = encode(self.outer - pending.snapshot, self.sync.compression)
+
+            def run() -> None:
+                try:
+                    pending.record = self._exchange(step, payload, time.perf_counter())
+                except BaseException as e:  # handed to the training thread in finish()
+                    pending.error = e
+
+            # Only this thread uses the store and the outer tensors until finish(); the training
+            # thread touches the model's parameters only.
+            pending.thread = threading.Thread(target=run, name=f"diloco-round-{self.round}", daemon=True)
+            pending.thread.start()
+        pending.blocked_s = time.perf_counter() - t0
+        self._pending = pending
+
+    def finish(self) -> RoundRecord | None:
+        """Collective in the region: take the round in flight, if any (the trainer calls it after the
+        last step too). New parameters: the round's outer ones plus the steps since it started."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        t0 = time.perf_counter()
+        rec: RoundRecord | None = None
+        params = None
+        if self.is_leader:
+            assert pending.thread is not None and pending.snapshot is not None
+            pending.thread.join()
+            if pending.error is not None:
+                raise pending.error
+            assert pending.record is not None
+            params = self.outer + (self._flat() - pending.snapshot)
+            self._load_flat(params)
+            rec = dataclasses.replace(pending.record, exchange_s=pending.record.sync_s)
+        rec = self._in_region(rec, params)
+        assert rec is not None
+        self.round = rec.round + 1
+        waited = pending.blocked_s + time.perf_counter() - t0
+        return dataclasses.replace(rec, sync_s=waited, applied_step=self._step)
 
     def _roster_key(self, region: str) -> str:
         return self._key("roster", region)
@@ -392,13 +469,12 @@ class DiLoCo:
         key = self._key("r", r, "members")
         return tuple(self.store.get(key).decode().split(",")) if self.store.check([key]) else None
 
-    def _leader_round(self, step: int, t0: float) -> RoundRecord:
+    def _exchange(self, step: int, payload: bytes, t0: float) -> RoundRecord:
         """One round on the leader, in about six round trips to the store (it may be an ocean away)
-        plus the pseudo-gradients' bytes."""
+        plus the pseudo-gradients' bytes. Updates the outer state only, never the model."""
         store, s, r = self.store, self.sync, self.round
         if store is None:
             raise OuterSyncError("DiLoCo: call join(store) before the first round")
-        payload = encode(self.outer - self._flat(), s.compression)
         published = len(payload)
         store.set(self._grad_key(r, self.region), payload)
         roster, latest = self._roster()
@@ -445,7 +521,6 @@ class DiLoCo:
         self.outer.grad = total / len(members)
         self._opt.step()
         self.outer.grad = None
-        self._load_flat(self.outer)
         # Every member holds the same outer state; the job's first region publishes it (the launcher
         # hosts the store beside it, so the fp32 state crosses no ocean), else the closer.
         first = self.regions[0]

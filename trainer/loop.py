@@ -324,6 +324,8 @@ def _loop(run: Run, step: int) -> dict[str, Any]:
         t_outer = clock()
         if run.outer is not None:  # before the checkpoint, so one taken at a round holds its result
             run.outer.after_step(step)
+            if step == cfg.steps:
+                run.outer.finish()  # a round still in flight (--outer-overlap), in this step's time
         outer_s = clock() - t_outer if run.outer is not None else 0.0
         ckpt = 0.0
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:

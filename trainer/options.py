@@ -58,6 +58,13 @@ _OPTIONS = [
         help="DiLoCo: the pseudo-gradients' type on the long links.",
     ),
     click.option(
+        "--outer-overlap",
+        default=0,
+        show_default=True,
+        type=int,
+        help="DiLoCo: inner steps each round's exchange runs behind training (0: training waits for each round).",
+    ),
+    click.option(
         "--outer-timeout", default=120.0, show_default=True, type=float, help="DiLoCo: seconds a round waits for the other regions."
     ),
     click.option(

@@ -20,7 +20,7 @@ from typing import Any
 import torch.distributed as dist
 from geoshard.trainer.config import TrainConfig, parse_host_port
 from geoshard.trainer.context import RankContext
-from geoshard.trainer.diloco import DiLoCo, OuterSync, connect_store
+from geoshard.trainer.diloco import DiLoCo, OuterSync, RoundRecord, connect_store
 from torch import nn
 
 from geoshard.errors import ConfigError
@@ -41,6 +41,7 @@ def outer_settings(cfg: TrainConfig) -> OuterSync:
         compression=cfg.outer_compression,
         round_timeout_s=cfg.outer_timeout,
         join_timeout_s=max(300.0, cfg.outer_timeout),
+        overlap_steps=cfg.outer_overlap,
     )
 
 
@@ -76,11 +77,17 @@ class OuterLoop:
         self._write({**record, "steps_lost": lost})
 
     def after_step(self, step: int) -> None:
-        rec = self.diloco.maybe_sync(step)
+        self._record(self.diloco.maybe_sync(step))
+
+    def finish(self) -> None:
+        """After the last step: the round still in flight (``--outer-overlap``), if any."""
+        self._record(self.diloco.finish())
+
+    def _record(self, rec: RoundRecord | None) -> None:
         if rec is None:
             return
-        lost = step - self.last_round_step if rec.adopted else 0
-        self.last_round_step = step
+        lost = rec.step - self.last_round_step if rec.adopted else 0
+        self.last_round_step = rec.step
         self._write({"event": "round", **dataclasses.asdict(rec), "steps_lost": lost})
 
     def state(self) -> dict[str, Any]:
@@ -88,6 +95,7 @@ class OuterLoop:
         return {"round": self.diloco.round - 1, "last_round_step": self.last_round_step}
 
     def leave(self) -> None:
+        self.finish()
         self.diloco.leave()
 
     def _write(self, record: dict[str, Any]) -> None:

@@ -135,6 +135,51 @@ def loss(job: Region) -> None:
     (job.out / f"loss-{job.region}.json").write_text(json.dumps({"eval_loss": losses, "records": records, "digest": digest(model)}))
 
 
+class SlowStore:
+    """The store as if an ocean away: every call waits ``delay`` seconds first."""
+
+    def __init__(self, store: Any, delay: float) -> None:
+        self.store, self.delay = store, delay
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.store, name)
+
+        def slow(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(self.delay)
+            return method(*args, **kwargs)
+
+        return slow
+
+
+def overlap(job: Region) -> None:
+    """H=10 with the exchange 8 steps behind training, through a store 20 ms away per call."""
+    sync = OuterSync(outer_steps=10, overlap_steps=8, compression="fp16", round_timeout_s=60)
+    if job.store is not None:
+        job.store = SlowStore(job.store, 0.02)  # type: ignore[assignment]
+    model, wrapped, diloco = job.trainer(sync, "overlap", lr=1e-2, adamw=True)
+    g = torch.Generator().manual_seed(99)
+    ex = torch.randn(512, IN, generator=g)
+    ey = (ex @ teacher()).argmax(1)
+
+    def eval_loss() -> float:
+        with torch.no_grad():
+            return float(F.cross_entropy(model(ex), ey))
+
+    losses, records = [eval_loss()], []
+    for step in range(1, 101):
+        job.inner_step(wrapped, step)
+        time.sleep(0.05)  # compute for the exchange to hide behind
+        rec = diloco.maybe_sync(step)
+        if step == 100:
+            assert rec is None
+            rec = diloco.finish()  # the last round, started at step 100
+        if rec is not None:
+            losses.append(eval_loss())
+            records.append(record(rec))
+    result = {"eval_loss": losses, "records": records, "digest": digest(model)}
+    (job.out / f"overlap-{job.region}-{job.rank}.json").write_text(json.dumps(result))
+
+
 def chaos(job: Region) -> None:
     sync = OuterSync(outer_steps=5, compression="fp16", round_timeout_s=3.0, join_timeout_s=60)
     model, wrapped, diloco = job.trainer(sync, "chaos", lr=0.05)
@@ -161,7 +206,7 @@ def chaos(job: Region) -> None:
 
 def main() -> None:
     job = Region(sys.argv[1:])
-    {"equiv": equiv, "loss": loss, "chaos": chaos}[job.mode](job)
+    {"equiv": equiv, "loss": loss, "chaos": chaos, "overlap": overlap}[job.mode](job)
     if job.group is not None:
         dist.destroy_process_group()
 
