@@ -12,7 +12,9 @@ so every run has seen the same number of samples:
   in-region hops are empty);
 - ``diloco-H`` for each H in ``--outer-steps`` (10, 50, 100): each region trains alone, every H
   steps the regions average fp16 pseudo-gradients through the launcher's store (in us-east-1's
-  namespace, so eu-west-1's and ap-southeast-1's cross the links).
+  namespace, so eu-west-1's and ap-southeast-1's cross the links); training waits for each round;
+- ``diloco-H-overlapK`` for each K in ``--overlap`` other than 0 (default 25, at most H-1): the
+  same, with each round's exchange running behind K inner steps (``--outer-overlap``).
 
 ``--step-time`` adds stated compute per step (default 0.2 s, a step of a model larger than the
 MLP on an accelerator): the MLP's own ~30-60 ms on two shared CPU cores would make every
@@ -96,7 +98,9 @@ def eval_loss(plan: Path, checkpoint: Path, hidden: int, samples: int) -> float:
     return total / n
 
 
-def one_run(name: str, sync: str, outer_steps: int, wan: Any, net: Any, plan: Path, work: Path, args: argparse.Namespace) -> dict:
+def one_run(
+    name: str, sync: str, outer_steps: int, overlap: int, wan: Any, net: Any, plan: Path, work: Path, args: argparse.Namespace
+) -> dict:
     from geoshard.trainer.config import TrainConfig, parse_regions
     from geoshard.trainer.launch import launch_regions
     from geoshard.trainer.report import build_report
@@ -113,6 +117,7 @@ def one_run(name: str, sync: str, outer_steps: int, wan: Any, net: Any, plan: Pa
         num_workers=1,
         sync=sync,
         outer_steps=outer_steps,
+        outer_overlap=overlap,
         outer_timeout=300.0,
         step_time=args.step_time,
         backend="gloo",
@@ -137,6 +142,7 @@ def one_run(name: str, sync: str, outer_steps: int, wan: Any, net: Any, plan: Pa
         "name": name,
         "sync": sync,
         "outer_steps": outer_steps if sync == "diloco" else None,
+        "outer_overlap": overlap if sync == "diloco" else None,
         "seconds": round(seconds, 1),
         "steps": rep["steps"],
         "samples": rep["samples"],
@@ -180,6 +186,11 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--step-time", type=float, default=0.2)
     p.add_argument("--outer-steps", default="10,50,100")
+    p.add_argument(
+        "--overlap",
+        default="0,25",
+        help="DiLoCo runs with each of these --outer-overlap values (inner steps the exchange runs behind; at most H-1)",
+    )
     p.add_argument("--eval-samples", type=int, default=1000)
     p.add_argument("--runs", default="flat,hierarchical,diloco")
     p.add_argument("--keep", action="store_true", help="keep the run folders (under --data)")
@@ -212,12 +223,14 @@ def main() -> int:
                 env=lambda r: {**wan.env(r), "TORCH_CPP_LOG_LEVEL": "ERROR"},
                 inside=lambda r: netns.inside(wan.netns(r)),
             )
-            specs = [(m, m, 1) for m in ("flat", "hierarchical") if m in args.runs.split(",")]
+            specs = [(m, m, 1, 0) for m in ("flat", "hierarchical") if m in args.runs.split(",")]
             if "diloco" in args.runs.split(","):
-                specs += [(f"diloco-H{h}", "diloco", h) for h in hs]
-            for name, sync, h in specs:
+                overlaps = [int(k) for k in args.overlap.split(",")]
+                for k in overlaps:  # at most H-1 steps behind
+                    specs += [(f"diloco-H{h}" + (f"-overlap{min(k, h - 1)}" if k else ""), "diloco", h, min(k, h - 1)) for h in hs]
+            for name, sync, h, k in specs:
                 print(f"run {name} ...", flush=True)
-                row = one_run(name, sync, h, wan, net, plan, work, args)
+                row = one_run(name, sync, h, k, wan, net, plan, work, args)
                 result["runs"].append(row)
                 print(
                     f"  utilization {row['utilization']:.1%}, {row['step_s'] * 1000:.0f} ms/step, "
