@@ -9,15 +9,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+from killkit import run_and_kill
 from splitkit import make_corpus
 from synckit import cli
 from test_loaders import region_samples
@@ -130,29 +129,12 @@ def test_a_lost_region_rejoins_while_the_others_never_restart_and_every_sample_i
     argv = train_argv(plan, out, f"{US}:1,{EU}:1,{AP}:1", "--steps", steps, "--outer-steps", every, "--checkpoint-every", every)
     # A round waits 3 s for a missing region; a restart takes longer, so eu-west-1 misses rounds.
     argv += ["--outer-timeout", "3", "--max-restarts", "1", "--step-time", "0.15", "--hidden", "256"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path)
-        try:
-            killed_at = None
-            deadline = time.monotonic() + 240
-            while killed_at is None and time.monotonic() < deadline:
-                assert proc.poll() is None, log.read_text()[-3000:]
-                seen = last_step(out, 1)  # eu-west-1 is the job's rank 1
-                if every + 2 <= seen < steps - 2 * every:
-                    pids = region_pids(out, EU)
-                    for pid in pids:  # a spot reclaim: the agent, the rank and its loader worker at once
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(pid, signal.SIGKILL)
-                    killed_at = seen if pids else None
-                time.sleep(0.05)
-            assert killed_at is not None, "the eu-west-1 region was not killed"
-            code = proc.wait(timeout=400)
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(30)
-                proc.kill()
+
+    def eu_region() -> tuple[int, list[int]] | None:  # a spot reclaim: the agent, the rank and its loader worker at once
+        seen = last_step(out, 1)  # eu-west-1 is the job's rank 1
+        return (seen, region_pids(out, EU)) if every + 2 <= seen < steps - 2 * every else None
+
+    code, killed_at = run_and_kill(argv, log, tmp_path, eu_region)
     text = log.read_text()
     assert code == 0, text[-5000:]
     assert f"geoshard: region {EU} stopped (exit -9); starting it again" in text, text[-3000:]

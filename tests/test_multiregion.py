@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 from geoshard.loaders import RegionalDataset
 from geoshard.loaders.balance import balance
 from geoshard.loaders.topology import Topology
+from killkit import run_and_kill
 from servers import SeaweedS3
 from splitkit import make_corpus
 from synckit import cli
@@ -255,27 +255,12 @@ def test_a_killed_rank_in_one_region_resumes_and_every_sample_of_the_epoch_is_re
     log = tmp_path / "run.log"
     argv = geoshard_train(plan, out, f"{US}:1,{EU}:1,{AP}:1", "--steps", steps, "--checkpoint-every", every)
     argv += ["--resume", "--max-restarts", "1", "--hidden", "1024"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path)
-        try:
-            killed_at = None
-            deadline = time.monotonic() + 240
-            while killed_at is None and time.monotonic() < deadline:
-                assert proc.poll() is None, log.read_text()[-3000:]
-                pid = trainer_pid(out, EU)
-                steps_seen = _last_step(out, EU)
-                if pid is not None and every + 2 <= steps_seen < steps - every:
-                    os.kill(pid, signal.SIGKILL)
-                    killed_at = steps_seen
-                time.sleep(0.05)
-            assert killed_at is not None, "the eu-west-1 rank was not killed"
-            code = proc.wait(timeout=300)
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(30)
-                proc.kill()
+
+    def eu_rank() -> tuple[int, list[int]] | None:
+        pid, seen = trainer_pid(out, EU), _last_step(out, EU)
+        return (seen, [pid]) if pid is not None and every + 2 <= seen < steps - every else None
+
+    code, _ = run_and_kill(argv, log, tmp_path, eu_rank, timeout=300)
     text = log.read_text()
     assert code == 0, text[-5000:]
     assert text.count("resumed at step") == 3, text[-3000:]  # every rank restarted from the checkpoint

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,9 +115,8 @@ def equiv(job: Region) -> None:
     (job.out / f"equiv-{job.region}-{job.rank}.json").write_text(json.dumps(result, indent=1))
 
 
-def loss(job: Region) -> None:
-    sync = OuterSync(outer_steps=5, compression="fp16", round_timeout_s=60)
-    model, wrapped, diloco = job.trainer(sync, "loss", lr=1e-2, adamw=True)  # the paper's inner optimizer
+def evaluator(model: nn.Module) -> Callable[[], float]:
+    """The model's loss on 512 fixed inputs labelled by the teacher."""
     g = torch.Generator().manual_seed(99)
     ex = torch.randn(512, IN, generator=g)
     ey = (ex @ teacher()).argmax(1)
@@ -125,6 +125,13 @@ def loss(job: Region) -> None:
         with torch.no_grad():
             return float(F.cross_entropy(model(ex), ey))
 
+    return eval_loss
+
+
+def loss(job: Region) -> None:
+    sync = OuterSync(outer_steps=5, compression="fp16", round_timeout_s=60)
+    model, wrapped, diloco = job.trainer(sync, "loss", lr=1e-2, adamw=True)  # the paper's inner optimizer
+    eval_loss = evaluator(model)
     losses, records = [eval_loss()], []
     for step in range(1, 51):
         job.inner_step(wrapped, step)
@@ -157,14 +164,7 @@ def overlap(job: Region) -> None:
     if job.store is not None:
         job.store = SlowStore(job.store, 0.02)  # type: ignore[assignment]
     model, wrapped, diloco = job.trainer(sync, "overlap", lr=1e-2, adamw=True)
-    g = torch.Generator().manual_seed(99)
-    ex = torch.randn(512, IN, generator=g)
-    ey = (ex @ teacher()).argmax(1)
-
-    def eval_loss() -> float:
-        with torch.no_grad():
-            return float(F.cross_entropy(model(ex), ey))
-
+    eval_loss = evaluator(model)
     losses, records = [eval_loss()], []
     for step in range(1, 101):
         job.inner_step(wrapped, step)
