@@ -338,7 +338,7 @@ def test_metrics_served_on_loopback(tmp_path: Path) -> None:
         metrics.observe_step(first, loader_stats(1))
         before = scrape(metrics.port)
         assert ("geoshard_gpu_utilization", frozenset(own)) not in before  # not measured: absent, not 0
-        second = dataclasses.replace(first, step=1, t=2.0, data_wait_s=0.1, comm_s=0.2)
+        second = dataclasses.replace(first, step=1, t=2.0, data_wait_s=0.1, comm_s=0.2, outer_sync_s=0.7)
         metrics.observe_step(second, loader_stats(3), gpu_util=0.75)
         values = scrape(metrics.port)
 
@@ -347,6 +347,7 @@ def test_metrics_served_on_loopback(tmp_path: Path) -> None:
 
         assert v("geoshard_data_wait_seconds_total") == pytest.approx(0.6)
         assert v("geoshard_grad_sync_seconds_total") == pytest.approx(0.3)
+        assert v("geoshard_outer_sync_seconds_total") == pytest.approx(0.7)
         assert v("geoshard_samples_total") == 64
         assert v("geoshard_io_wait_share") == pytest.approx(0.3)
         assert v("geoshard_gpu_utilization") == 0.75
@@ -417,6 +418,7 @@ def test_dashboard_queries_only_metrics_we_define() -> None:
         "geoshard_gpu_utilization",
         "geoshard_data_wait_seconds_total",
         "geoshard_grad_sync_seconds_total",
+        "geoshard_outer_sync_seconds_total",
         "geoshard_tier_fetch_seconds",
         "geoshard_tier_bytes_total",
         "geoshard_egress_bytes_total",

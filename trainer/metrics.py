@@ -56,6 +56,9 @@ class _Instruments:
         self.grad_sync = Counter(
             "geoshard_grad_sync_seconds_total", "Seconds in gradient all-reduce (overlaps backward).", labels, registry=registry
         ).labels(**own)
+        self.outer_sync = Counter(
+            "geoshard_outer_sync_seconds_total", "Seconds training waited for DiLoCo's outer rounds.", labels, registry=registry
+        ).labels(**own)
         self.samples = Counter("geoshard_samples_total", "Samples trained on.", labels, registry=registry).labels(**own)
         # Not bound to our labels yet: an unmeasured GPU must be absent, not a misleading 0.
         self.gpu = Gauge("geoshard_gpu_utilization", "GPU utilization (0..1).", labels, registry=registry)
@@ -113,6 +116,7 @@ class Metrics:
         self._waited += wait
         m.data_wait.inc(wait)
         m.grad_sync.inc(max(0.0, record.comm_s))
+        m.outer_sync.inc(max(0.0, record.outer_sync_s))
         m.samples.inc(max(0, record.samples))
         m.step_seconds.observe(record.step_s)
         if record.t > 0:
