@@ -155,7 +155,7 @@ def _train(cfg: TrainConfig, ctx: RankContext) -> dict[str, Any]:
     if ctx.group_rank == 0:
         _announce(cfg, ctx, ds.balance, sync)
     # Under DiLoCo each region keeps its own checkpoints: a region restarts alone.
-    target = cfg.checkpoint_target + (f"/{ctx.region}" if sync == "diloco" else "")
+    target = cfg.checkpoint_target.rstrip("/") + f"/{ctx.region}" if sync == "diloco" else cfg.checkpoint_target
     store = CheckpointStore(target, keep=cfg.checkpoint_keep, endpoint_url=cfg.checkpoint_endpoint, region=cfg.checkpoint_region)
     step = 0
     resumed_outer: dict[str, Any] | None = None
@@ -168,7 +168,7 @@ def _train(cfg: TrainConfig, ctx: RankContext) -> dict[str, Any]:
         log.warning("rank %d: resumed at step %d (epoch %d; %s rank %d)", rank, step, ds.epoch, ctx.region, ds.rank)
     steps_path = cfg.out / f"steps-rank{rank}.jsonl"
     keys_path = cfg.out / f"keys-rank{rank}.jsonl"
-    redone = max(0, _last_logged_step(steps_path) - step) if step else 0
+    redone = max(0, _last_logged_step(steps_path) - step) if cfg.resume else 0  # steps this segment does again
     outer = None
     if sync == "diloco":
         outer = OuterLoop(cfg, ctx, model)
