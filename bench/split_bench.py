@@ -117,6 +117,45 @@ def hash_rate(algorithm: str) -> float:
     return 512 * len(block) / (time.perf_counter() - t)
 
 
+def profile_tasks(src: Path, plan: Path, groups: int) -> None:
+    """cProfile of the split's task (``run_group``) over the first ``groups`` groups, in this process
+    and after one warm-up group (imports, page cache): where a task's CPU time goes."""
+    import cProfile
+    import pstats
+    import tempfile
+
+    from geoshard.plan import load_plan
+    from geoshard.routing import RouteSpec
+    from geoshard.sources import S3Access, expand_sources
+    from geoshard.split.groups import make_groups
+    from geoshard.split.task import GroupTask, run_group
+
+    p = load_plan(plan)
+    refs = expand_sources([str(src)])
+    made = make_groups(refs, p)
+    route = RouteSpec(p, refs[0].format)
+    with tempfile.TemporaryDirectory(dir=src.parent) as tmp:
+
+        def task(gid: int) -> GroupTask:
+            out = Path(tmp) / str(gid)
+            return GroupTask(
+                gid, made[gid], refs[0].format, route, p.region_names, p.shards.bytes, p.shards.samples, None, str(out), S3Access()
+            )
+
+        run_group(task(len(made) - 1))
+        size = sum(r.size for g in made[:groups] for r in g)
+        prof = cProfile.Profile()
+        t, c = time.perf_counter(), time.process_time()
+        prof.enable()
+        for gid in range(groups):
+            run_group(task(gid))
+        prof.disable()
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+    rate, load = cpu / size * 1e9, os.getloadavg()[0]
+    print(f"{groups} group(s), {size / 1e6:.0f} MB: {wall:.2f} s wall, {cpu:.2f} s CPU = {rate:.2f} CPU-s per GB (load {load:.1f})")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=ROOT / "bench" / "_data")
@@ -124,6 +163,7 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="tiny corpora, for a smoke run")
     ap.add_argument("--json-out", type=Path, default=ROOT / "bench" / "_data" / "split_bench.json")
     ap.add_argument("--only", choices=("100KB", "1KB"), help="one corpus only")
+    ap.add_argument("--profile-groups", type=int, metavar="N", help="instead: cProfile the split's task over N groups of each corpus")
     args = ap.parse_args()
     args.data.mkdir(parents=True, exist_ok=True)
     scratch = args.data / "scratch"
@@ -151,6 +191,9 @@ def main() -> int:
         src = corpus(args.data, f"corpus-{name}-{samples}", samples, sample_bytes, shard_samples)
         size = tree_bytes(src)
         warm(src)
+        if args.profile_groups:
+            profile_tasks(src, plan, args.profile_groups)
+            continue
         bench_cp(src, scratch)  # warm the page cache for writes as well
         cps, splits, docs = [], [], []
         load_before = os.getloadavg()[0]
