@@ -373,7 +373,8 @@ class RegionalDataset(IterableDataset[Any]):
         for wp, pl in zip(per_worker, places, strict=True):
             for p, g in zip(wp.pieces, pl, strict=True):
                 sizes[g] = p.length
-        return FetchQueue(sizes)
+        first_round = sum(1 for wp in per_worker for p in wp.pieces if p.need < self.layout.batch_size)
+        return FetchQueue(sizes, free=first_round)
 
     def _generate(self, worker: int, num_workers: int, start: EpochStart, count: bool) -> Iterator[Any]:
         per_worker, places, streams = self.rank_pieces(start)

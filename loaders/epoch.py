@@ -19,9 +19,12 @@ the whole job (``balance.py``) so that every rank of every region yields the sam
    each worker reads its own shards and every rank yields the same number of batches.
 5. Within a worker's run, samples are shuffled inside consecutive windows (seeded by seed, epoch,
    rank and worker): a block shuffle, whose memory is bounded by the shards a window spans. The
-   first window is one batch, each next one twice the last, up to ``shuffle_buffer`` samples: a
-   worker's first batch needs only its own samples (one chunk of a shard, not the whole first
-   ``shuffle_buffer``), so it can come as soon as they have crossed the link.
+   first window is one batch, each next one a quarter longer than the last, up to
+   ``shuffle_buffer`` samples: a worker's first batch needs only its own samples (a chunk or two
+   of a shard, not the whole first ``shuffle_buffer``), so it can come as soon as they have
+   crossed the link. All of a window is needed at its start, so while windows grow a reader must
+   fetch ahead faster than it consumes, by about the growth factor: 1.25 stays under a link with
+   1.5x the consumption (doubling would need 2x, measured in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -99,12 +102,12 @@ class RankPlan:
 
 def windows(n: int, layout: Layout) -> list[int]:
     """Where the shuffle windows of a worker's ``n`` samples begin, and ``n``: one batch first,
-    then twice the last window each time, up to ``shuffle_buffer``."""
+    then each a quarter longer than the last, up to ``shuffle_buffer``."""
     out, pos, w = [0], 0, min(layout.batch_size, layout.shuffle_buffer)
     while pos < n:
         pos = min(n, pos + w)
         out.append(pos)
-        w = min(2 * w, layout.shuffle_buffer)
+        w = min(w + max(1, w // 4), layout.shuffle_buffer)
     return out
 
 

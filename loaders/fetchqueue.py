@@ -7,7 +7,9 @@ its batches need them (worker 0's first, worker 1's first, worker 0's second, ..
 counter per piece, the bytes still to arrive, into memory shared with the workers it forks (as
 ``slots.py`` does for batches). A piece may start once the pieces before it have less than
 ``lead_bytes`` left to arrive: requests follow one another closely enough to hide the round trip,
-and the first batch's bytes never wait behind read-ahead.
+and the first batch's bytes never wait behind read-ahead. The rank's first round (each worker's
+first batch: the first batch is served with it, ``pieces.rank_order``) goes at once, all its
+requests in flight together, so it pays one round trip, not one per piece.
 
 The wait is bounded (``timeout_s``, then the piece goes anyway), and a queue that did not travel
 by fork (``multiprocessing_context="spawn"``) or whose layout does not match lets pieces go at once.
@@ -30,8 +32,9 @@ TIMEOUT_S = 60.0
 
 
 class FetchQueue:
-    def __init__(self, sizes: Sequence[int], lead_bytes: int = LEAD_BYTES, timeout_s: float = TIMEOUT_S) -> None:
+    def __init__(self, sizes: Sequence[int], lead_bytes: int = LEAD_BYTES, timeout_s: float = TIMEOUT_S, free: int = 0) -> None:
         self.size = len(sizes)
+        self.free = free  # the first pieces all go at once (the rank's first round: see pieces.rank_order)
         self.lead_bytes, self.timeout_s = lead_bytes, timeout_s
         self._map: mmap.mmap | None = mmap.mmap(-1, max(8, 8 * self.size))
         self._left = np.frombuffer(self._map, dtype=np.int64, count=self.size)
@@ -40,7 +43,7 @@ class FetchQueue:
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled (a spawned worker): the mapping does not travel; such workers do not wait.
-        return {"size": self.size, "lead_bytes": self.lead_bytes, "timeout_s": self.timeout_s, "_map": None, "_low": 0}
+        return {"size": self.size, "free": self.free, "lead_bytes": self.lead_bytes, "timeout_s": self.timeout_s, "_map": None, "_low": 0}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -51,7 +54,7 @@ class FetchQueue:
 
     def wait_turn(self, piece: int, stop: threading.Event) -> bool:
         """Block until ``piece`` may start; False if it goes without its turn (stopped, or timed out)."""
-        if self._map is None or not 0 <= piece < self.size:
+        if self._map is None or not self.free <= piece < self.size:
             return True
         left = self._left
         deadline = time.monotonic() + self.timeout_s

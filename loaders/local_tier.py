@@ -13,6 +13,7 @@ import logging
 import mmap
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,9 @@ from geoshard.manifest import temp_file
 from geoshard.paths import is_shard_name, plain_relative
 
 log = logging.getLogger(__name__)
+# Address space of shard mappings a process keeps for their next fetch (file pages: the page cache's,
+# reclaimable, never copied). A corpus this size or smaller is mapped once per process, not per epoch.
+MAPPED_BYTES = 2 << 30
 
 
 class LocalTier:
@@ -34,6 +38,9 @@ class LocalTier:
         self.name = f"local:{region}" if region else f"local:{self.root}"
         self.limit_bytes = limit_bytes
         self._lock = threading.Lock()
+        self._maps: OrderedDict[str, tuple[tuple[int, int, int], mmap.mmap]] = OrderedDict()  # path -> (dev, ino, size), mapping
+        self._mapped = 0
+        self._maps_lock = threading.Lock()
 
     def _path(self, path: str) -> Path:
         try:
@@ -61,20 +68,50 @@ class LocalTier:
         p = self._path(path)
         with self._reading(path, p):
             data = p.read_bytes()
-        os.utime(p)  # recency for eviction
+        with contextlib.suppress(FileNotFoundError):  # removed meanwhile (a corrupt copy, evicted): what was read stands
+            os.utime(p)  # recency for eviction
         return data
 
     def map(self, path: str) -> bytes | mmap.mmap:
         """The shard memory-mapped: no copy into the process before its samples are cut out.
 
         Safe because replica files are only ever renamed over or unlinked, never truncated in place
-        (a truncated mapping would fault)."""
+        (a truncated mapping would fault). A mapping is kept for the next fetch of the same file
+        (same device, inode and size; up to ``MAPPED_BYTES`` per process, least recently used
+        dropped first): setting up a 64 MB mapping's page tables costs about as much as hashing it,
+        and every fetch still checks the bytes (the chain verifies what this returns)."""
         p = self._path(path)
         with self._reading(path, p), open(p, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            data: bytes | mmap.mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-        os.utime(p)  # recency for eviction
+            st = os.fstat(f.fileno())
+            ident = (st.st_dev, st.st_ino, st.st_size)
+            with self._maps_lock:
+                kept = self._maps.get(path)
+                if kept is not None and kept[0] == ident:
+                    self._maps.move_to_end(path)
+                    data: bytes | mmap.mmap = kept[1]
+                else:
+                    data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if st.st_size else b""
+                    self._keep(path, ident, data)
+        with contextlib.suppress(FileNotFoundError):  # removed meanwhile (a corrupt copy, evicted): what was read stands
+            os.utime(p)  # recency for eviction
         return data
+
+    def _keep(self, path: str, ident: tuple[int, int, int], data: bytes | mmap.mmap) -> None:
+        # Dropping a mapping only drops this reference: views still holding it keep it mapped.
+        self._forget(path)
+        if not isinstance(data, mmap.mmap) or ident[2] > MAPPED_BYTES:
+            return
+        self._maps[path] = (ident, data)
+        self._mapped += ident[2]
+        while self._mapped > MAPPED_BYTES:
+            _, (old, _) = self._maps.popitem(last=False)
+            self._mapped -= old[2]
+
+    def _forget(self, path: str) -> None:
+        """Drop a kept mapping (its file is removed or replaced: never pin its disk space)."""
+        kept = self._maps.pop(path, None)
+        if kept is not None:
+            self._mapped -= kept[0][2]
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         p = self._path(path)
@@ -102,6 +139,8 @@ class LocalTier:
         if not is_shard_name(p.name):  # not a name this tier writes: the user's file, never ours to delete
             log.warning("%s: not removing %s: not a shard name", self.name, p)
             return
+        with self._maps_lock:
+            self._forget(path)
         p.unlink(missing_ok=True)
 
     def _evict(self, incoming: int, keep: Path) -> None:
@@ -112,4 +151,6 @@ class LocalTier:
             if used + incoming <= self.limit_bytes:  # type: ignore[operator]
                 break
             f.unlink(missing_ok=True)
+            with self._maps_lock:
+                self._forget(str(f.relative_to(self.root)))
             used -= sizes[f].st_size

@@ -107,9 +107,18 @@ def _chunk_bytes(cmap: ChunkMap, shard: int, chunk: int) -> int:
 def rank_order(per_worker: Sequence[Sequence[Piece]], batch_size: int, rotation: int) -> list[list[int]]:
     """Each worker's pieces' places in the rank's fetch order: by the rank's batch that first needs
     them (DataLoader takes one batch from each worker in turn, from process 0, which plays logical
-    worker ``rotation``), then by worker, then in the worker's own order."""
+    worker ``rotation``), then by worker, then in the worker's own order.
+
+    Except the first round (each worker's first batch), fetched last worker first: the trainer asks
+    for the second batch one step after the first, too soon for the link to bring it, so the first
+    batch comes with the whole round instead of before it (a longer first wait, no stall after)."""
     nw = len(per_worker)
-    keys = [((p.need // batch_size, (w - rotation) % nw, k), w, k) for w, pieces in enumerate(per_worker) for k, p in enumerate(pieces)]
+
+    def turn(p: Piece, w: int) -> int:
+        order = (w - rotation) % nw
+        return nw - 1 - order if p.need < batch_size else order
+
+    keys = [((p.need // batch_size, turn(p, w), k), w, k) for w, pieces in enumerate(per_worker) for k, p in enumerate(pieces)]
     keys.sort()
     out: list[list[int]] = [[0] * len(p) for p in per_worker]
     for g, (_, w, k) in enumerate(keys):

@@ -25,7 +25,7 @@ from geoshard.loaders.pieces import Piece, rank_order
 from geoshard.loaders.shard import Shard
 from servers import SeaweedS3
 from splitkit import make_corpus
-from synckit import cli
+from synckit import cli, objects
 
 from geoshard.errors import DataError
 from geoshard.manifest import MANIFEST, parse_region_manifest, read_region_manifest
@@ -144,20 +144,31 @@ def test_geoshard_verify_reports_a_bad_chunks_field_in_one_line(region: Path, tm
     assert "Traceback" not in r.stderr
 
 
+def test_sync_carries_the_chunk_hashes_unchanged(region: Path, tmp_path: Path, aws: SeaweedS3) -> None:
+    bucket = f"gs-sync-{time.time_ns() % 10**9}"
+    aws.make_bucket(bucket)
+    r = cli("sync", region.parent, "--plan", _plan(tmp_path / "p.toml", aws, bucket))
+    assert r.exit_code == 0, r.output
+    got = objects(aws, bucket)["train/manifest.json"]
+    assert got == (region / MANIFEST).read_bytes() and b'"chunks"' in got
+
+
 # -- the epoch plan -----------------------------------------------------------------------------
 
 
-def test_first_shuffle_window_is_one_batch_and_doubles_up_to_the_buffer() -> None:
+def test_first_shuffle_window_is_one_batch_and_grows_by_a_quarter_up_to_the_buffer() -> None:
     layout = Layout(batch_size=128, shuffle_buffer=1000, seed=3)
-    assert windows(5000, layout) == [0, 128, 384, 896, 1896, 2896, 3896, 4896, 5000]
-    need = need_positions(5000, layout)
-    assert need[:128].tolist() == [0] * 128 and need[128] == 128 and need[4999] == 4896
-    plan = rank_plan([5000], 0, layout)
+    bounds = windows(9000, layout)
+    sizes = np.diff(bounds).tolist()
+    assert sizes[:11] == [128, 160, 200, 250, 312, 390, 487, 608, 760, 950, 1000] and set(sizes[11:-1]) == {1000}
+    need = need_positions(9000, layout)
+    assert need[:128].tolist() == [0] * 128 and need[128] == 128 and need[287] == 128 and need[288] == 288
+    plan = rank_plan([9000], 0, layout)
     _, idx = plan.worker_stream(0, layout, 0)
     assert sorted(idx[:128].tolist()) == list(range(128)), "the first batch comes from the first batch's samples"
-    assert sorted(idx[128:384].tolist()) == list(range(128, 384))
+    assert sorted(idx[128:288].tolist()) == list(range(128, 288))
     assert idx[:128].tolist() != list(range(128)), "and is shuffled within them"
-    assert sorted(idx.tolist()) == list(range(5000))
+    assert sorted(idx.tolist()) == list(range(9000))
     assert need_positions(10, Layout(shuffle=False)).tolist() == list(range(10))
 
 
@@ -165,9 +176,10 @@ def test_rank_order_interleaves_workers_by_the_batch_that_needs_them() -> None:
     def p(need: int) -> Piece:
         return Piece(0, 0, 0, True, need, 0, 0, 10)
 
+    # The first round (each worker's first batch) last worker first; then batch by batch, worker 0 first.
     w0, w1 = [p(0), p(0), p(32), p(96)], [p(0), p(64)]
-    assert rank_order([w0, w1], 32, 0) == [[0, 1, 3, 5], [2, 4]]
-    assert rank_order([w0, w1], 32, 1) == [[1, 2, 3, 5], [0, 4]], "after a resume, worker 1's process goes first"
+    assert rank_order([w0, w1], 32, 0) == [[1, 2, 3, 5], [0, 4]]
+    assert rank_order([w0, w1], 32, 1) == [[0, 1, 3, 5], [2, 4]], "after a resume worker 1 plays first: its first batch is fetched last"
 
 
 # -- the fetch queue ----------------------------------------------------------------------------
@@ -302,7 +314,9 @@ def test_the_first_piece_is_the_first_batchs_chunk(region: Path) -> None:
     first = [wp.pieces[0] for wp in per_worker]
     assert all(p.chunked and p.last - p.first <= 1 for p in first), first
     assert all(p.length < 2.1 * CHUNK_BYTES for p in first)
-    assert [pl[0] for pl in places] == [0, 1], "worker 0's first piece, then worker 1's, before any read-ahead"
+    # The first round before any read-ahead, worker 1's first (it is needed one step after worker 0's).
+    firsts = [g for w in (0, 1) for g, p in zip(places[w], per_worker[w].pieces, strict=True) if p.need < 64]
+    assert sorted(firsts) == list(range(len(firsts))) and places[1][0] == 0
     lengths = sorted(p.length for wp in per_worker for p in wp.pieces)
     assert np.sum(lengths) >= sum(s.bytes for s in ds.manifest.shards) - 2 * CHUNK_BYTES
 
@@ -324,3 +338,17 @@ def test_no_traceback_or_leftover_process_when_the_consumer_stops_early(region: 
     while multiprocessing.active_children() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not multiprocessing.active_children() and time.monotonic() - t0 < 30
+
+
+def test_the_first_round_goes_at_once_and_the_rest_waits_its_turn() -> None:
+    q = FetchQueue([100, 100, 100], lead_bytes=0, timeout_s=5, free=2)
+    stop = threading.Event()
+    t0 = time.monotonic()
+    assert q.wait_turn(0, stop) and q.wait_turn(1, stop), "the first round: no waiting for each other"
+    assert time.monotonic() - t0 < 0.5
+    started = threading.Event()
+    threading.Thread(target=lambda: (q.wait_turn(2, stop), started.set()), daemon=True).start()
+    q.done(0)
+    assert not started.wait(0.3), "piece 2 waits for the whole first round"
+    q.done(1)
+    assert started.wait(5)
