@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -112,3 +113,69 @@ def test_a_view_outliving_its_shard_and_replica_file_keeps_its_bytes(tmp_path: P
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out == {"held": 9, "bad": [], "types": ["memoryview"]}
     assert (replica / entries[0].path).read_bytes() == b"\xff" * entries[0].bytes  # the replica did change under the views
+
+
+def _replica(tmp_path: Path, shards: int = 3) -> tuple[Path, list[Any]]:
+    """A local replica of ``shards`` shards of 100 samples (5 KB images) and its plan."""
+    from geoshard.formats.wds import TarWriter
+    from geoshard.hashing import sha256, xxh3_128
+    from geoshard.manifest import RegionManifest, ShardEntry
+
+    replica = tmp_path / "eu-west-1"
+    replica.mkdir()
+    entries = []
+    for s in range(shards):
+        f = io.BytesIO()
+        w = TarWriter(f)
+        for i in range(100):
+            w.write_sample([(b"s%d-%04d.img" % (s, i), bytes([(s * 7 + i) % 256]) * 5000), (b"s%d-%04d.cls" % (s, i), b"1")])
+        w.close()
+        data = f.getvalue()
+        name = f"{s:05d}-0000-{sha256(data)[:12]}.tar"
+        (replica / name).write_bytes(data)
+        entries.append(ShardEntry(name, 100, len(data), sha256(data), s, xxh3_128(data)))
+    (replica / "manifest.json").write_bytes(RegionManifest("eu-west-1", "wds", 1, "p", tuple(entries)).to_json())
+    plan = tmp_path / "plan.toml"
+    plan.write_text(f'[regions.eu-west-1]\nweight = 1\nlocal = "{replica}"\n')
+    return plan, entries
+
+
+def _mapped(path: Path) -> bool:
+    """Whether this process maps ``path`` (also after it was unlinked: " (deleted)")."""
+    return any(line.rstrip().removesuffix(" (deleted)").endswith(str(path)) for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+def test_a_kept_mapping_serves_the_next_fetch_and_its_bytes_are_checked_every_time(tmp_path: Path) -> None:
+    """A local shard stays mapped for its next fetch (no page-table set-up per epoch), but every
+    fetch still checks its bytes; a removed or replaced file is never served from, or pinned by,
+    an old mapping."""
+    import gc
+
+    from geoshard.loaders.chain import AllTiersFailed, build_chain
+
+    from geoshard.plan import load_plan
+
+    plan, entries = _replica(tmp_path)
+    replica = tmp_path / "eu-west-1"
+    chain = build_chain(load_plan(plan), "eu-west-1")
+    first = chain.fetch(entries[0])
+    assert isinstance(first, mmap.mmap) and chain.fetch(entries[0]) is first  # kept: mapped once
+    assert chain.fetch(entries[1]) is not first and _mapped(replica / entries[0].path)
+
+    # Damaged in place (same inode, same size): the kept mapping shows it, and the check refuses it.
+    good = (replica / entries[0].path).read_bytes()
+    with open(replica / entries[0].path, "r+b") as f:
+        f.seek(len(good) // 2)
+        f.write(bytes([good[len(good) // 2] ^ 1]))
+    with pytest.raises(AllTiersFailed, match=f"{entries[0].path} does not match its manifest"):
+        chain.fetch(entries[0])
+    assert not (replica / entries[0].path).exists()  # the corrupt copy is removed
+    del first
+    gc.collect()
+    assert not _mapped(replica / entries[0].path)  # and no longer mapped: its disk space is free
+
+    # Written again (a new file under the same name): a new mapping, the right bytes.
+    chain.local.write(entries[0].path, good)  # type: ignore[union-attr]
+    again = chain.fetch(entries[0])
+    assert isinstance(again, mmap.mmap) and again[:] == good
+    assert chain.fetch(entries[0]) is again
