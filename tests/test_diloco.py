@@ -159,6 +159,38 @@ def test_an_outer_round_with_a_region_missing_averages_over_the_regions_present(
         assert all(p.eq(0.375 - 0.125).all() for p in models[g].parameters())
 
 
+def test_pseudo_gradients_and_states_larger_than_the_stores_message_limit_go_through_in_parts() -> None:
+    """A TCPStore server refuses a message over 8 MiB: a 9 MB fp32 model (pseudo-gradients sent
+    uncompressed, the state with its momentum 18 MB) goes through in 4 MiB parts, exactly."""
+    server = host_store()
+    regions = ("us-east-1", "eu-west-1")
+    sync = OuterSync(outer_steps=1, outer_lr=1.0, outer_momentum=0.5, compression="none", round_timeout_s=30)
+    models = {g: nn.Linear(1500, 1500, bias=False) for g in regions}
+    dl = {g: DiLoCo(m, sync, g, regions) for g, m in models.items()}
+    for d in dl.values():
+        d.join(connect_store("127.0.0.1", server.port))
+    start = models["us-east-1"].weight.detach().clone()
+    assert torch.equal(models["eu-west-1"].weight, start)  # round 0's 9 MB state, in parts
+    with torch.no_grad():
+        models["us-east-1"].weight.sub_(1.0)
+        models["eu-west-1"].weight.sub_(3.0)
+    out: dict[str, RoundRecord | None] = {}
+    threads = [threading.Thread(target=lambda g=g: out.__setitem__(g, dl[g].maybe_sync(1))) for g in regions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for g in regions:
+        rec = out[g]
+        assert rec is not None and rec.regions == regions and rec.bytes_read == 1500 * 1500 * 4
+        # The mean pseudo-gradient, 2.0; lr 1 and Nesterov momentum 0.5 make the first step 2.0 * 1.5.
+        assert torch.allclose(models[g].weight, start - 3.0, atol=1e-5), g
+    late = DiLoCo(nn.Linear(1500, 1500, bias=False), sync, "eu-west-1", regions)
+    rejoin = late.join(connect_store("127.0.0.1", server.port))  # the published state of round 1: 18 MB
+    assert rejoin.round == 1 and rejoin.bytes_read > 2 * 1500 * 1500 * 4
+    assert torch.equal(late.model.weight, models["us-east-1"].weight)  # type: ignore[arg-type]
+
+
 def test_h1_with_outer_lr_1_equals_synchronous_data_parallel_and_outer_lr_07_does_not(tmp_path: Path) -> None:
     """Two regions: us-east-1 with 2 ranks (in-region DDP, its own gloo world; each rank half the
     region's batch), eu-west-1 with 1. The reference is one process stepping SGD on the whole

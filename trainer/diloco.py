@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 COMPRESSIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": torch.float32}
 POLL_S = 0.02  # how often a leader looks at the store while it waits; one round trip each
+# Values go into the store in parts of this size: a TCPStore server (libuv) refuses a message over
+# 8 MiB, and a pseudo-gradient or the outer state of a real model is far larger.
+PART_BYTES = 4 << 20
 
 
 class OuterSyncError(GeoshardError):
@@ -113,6 +116,10 @@ class JoinRecord:
     step: int  # the inner step count of the region that published it
     created: bool  # this region published round 0 (a fresh job)
     bytes_read: int
+
+
+def _parts(nbytes: int) -> int:
+    return max(1, -(-nbytes // PART_BYTES))
 
 
 @dataclass
@@ -240,7 +247,7 @@ class DiLoCo:
         assert self.store is not None
         if not self.store.check([self._key("state", r)]):
             raise KeyError(r)
-        payload = self.store.get(self._key("state", r))
+        (payload,) = self._fetch([self._key("state", r)])
         state = torch.load(io.BytesIO(payload), weights_only=True, map_location=self.params[0].device)
         self._set_outer(state["params"], state["momentum"])
         return int(state["round"]), int(state["step"]), len(payload)
@@ -266,7 +273,7 @@ class DiLoCo:
     def _publish_state(self, r: int, step: int) -> int:
         assert self.store is not None
         payload = self._state_bytes(r, step)
-        self.store.set(self._key("state", r), payload)
+        self._put(self._key("state", r), payload)
         self.store.set(self._key("latest"), str(r))
         return len(payload)
 
@@ -436,6 +443,26 @@ class DiLoCo:
         multi_get = getattr(self.store, "multi_get", None)
         return list(multi_get(keys)) if multi_get is not None else [self.store.get(k) for k in keys]
 
+    def _put(self, key: str, payload: bytes) -> None:
+        """A value of any size: its parts under ``key/<i>``, then ``key`` itself = the number of
+        parts, last, so whoever sees ``key`` finds every part."""
+        assert self.store is not None
+        n = _parts(len(payload))
+        for i in range(n):
+            self.store.set(f"{key}/{i}", payload[i * PART_BYTES : (i + 1) * PART_BYTES])
+        self.store.set(key, str(n))
+
+    def _fetch(self, keys: list[str], parts: int | None = None) -> list[bytes]:
+        """Values written by ``_put``, in one ``multi_get`` of all their parts (plus one for the
+        numbers of parts, unless ``parts`` gives it)."""
+        counts = [parts] * len(keys) if parts is not None else [int(v) for v in self._get_many(keys)]
+        values = self._get_many([f"{k}/{i}" for k, n in zip(keys, counts, strict=True) for i in range(n)])
+        out, j = [], 0
+        for n in counts:
+            out.append(b"".join(values[j : j + n]))
+            j += n
+        return out
+
     def _wait_all(self, keys: list[str], timeout_s: float) -> bool:
         """Until every key exists (True) or ``timeout_s`` passed (False). A TCPStore waits on its
         server (one round trip once the last key is there); other stores are polled."""
@@ -476,7 +503,7 @@ class DiLoCo:
         if store is None:
             raise OuterSyncError("DiLoCo: call join(store) before the first round")
         published = len(payload)
-        store.set(self._grad_key(r, self.region), payload)
+        self._put(self._grad_key(r, self.region), payload)
         roster, latest = self._roster()
         gone = {g for g, v in roster.items() if v == "left"}
         members: tuple[str, ...] | None = None
@@ -505,7 +532,8 @@ class DiLoCo:
             missing = tuple(g for g in self.regions if took is not None and g not in took and g not in gone)
             return RoundRecord(adopted, step, took or (), missing, time.perf_counter() - t0, published, nbytes, s.compression, adopted=True)
         others = [g for g in members if g != self.region]
-        received = dict(zip(others, self._get_many([self._grad_key(r, g) for g in others]), strict=True))
+        parts = _parts(len(payload))  # every region's pseudo-gradient has this size (checked at join)
+        received = dict(zip(others, self._fetch([self._grad_key(r, g) for g in others], parts), strict=True))
         total = torch.zeros_like(self.outer)
         read = 0
         for g in members:  # job order: every leader sums the same values in the same order
@@ -536,7 +564,12 @@ class DiLoCo:
         delete = getattr(self.store, "delete_key", None)
         if r < 1 or delete is None:
             return
-        for key in [self._key("state", r), self._key("r", r, "members"), self._key("r", r, "close")]:
+        assert self.store is not None
+        big = [self._key("state", r), *(self._grad_key(r, g) for g in self.regions)]
+        for key in big:
+            if self.store.check([key]):
+                for i in range(int(self.store.get(key))):
+                    delete(f"{key}/{i}")
+                delete(key)
+        for key in [self._key("r", r, "members"), self._key("r", r, "close")]:
             delete(key)
-        for g in self.regions:
-            delete(self._grad_key(r, g))
