@@ -53,6 +53,8 @@ from geoshard.loaders.epoch import Layout, rank_plan  # noqa: E402
 from netproxy import NetProxy  # noqa: E402
 from servers import SeaweedS3, free_ports  # noqa: E402
 
+from geoshard.split.task import CHUNK_BYTES  # noqa: E402
+
 GEOSHARD = str(Path(sys.executable).with_name("geoshard"))
 REGION = "us-east-1"
 BUCKET = "iowait"
@@ -75,7 +77,7 @@ weight = 1
 
 def make_split(data: Path, samples: int, sample_bytes: int, shard_samples: int) -> Path:
     """A split of one region (cached by its parameters) with ``shard_samples`` samples per shard."""
-    root = data / f"split-{samples}x{sample_bytes}-{shard_samples}"
+    root = data / f"split-{samples}x{sample_bytes}-{shard_samples}-chunks{CHUNK_BYTES >> 10}k"
     manifest = root / "split" / REGION / "manifest.json"
     # A split cached before chunk hashes existed is made again (the loader reads such shards whole).
     if not (root / ".complete").exists() or '"chunks"' not in manifest.read_text():

@@ -29,9 +29,11 @@ PROGRESS_TOPIC = "geoshard-split-progress"
 _FLUSH = 1 << 20
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 # A shard's chunks (each with its xxh3-128 in the manifest) end at the first sample boundary past
-# this size. 1 MiB: a reader's first batch (a batch of 128 samples of a few KB is ~0.5 MB) needs one
-# or two chunks, not a whole shard; ~35 manifest bytes per MiB of data (35 MB for 1 TB) is the cost.
-CHUNK_BYTES = 1 << 20
+# this size. 512 KiB: a reader's first batch (128 samples of a few KB is ~0.5 MB) needs one or two
+# chunks, not a whole shard; with 1 MiB the first round of two workers was twice the bytes and the
+# first batch missed its goal behind a capped link (docs/benchmarks.md). The cost: ~70 manifest
+# bytes per MiB of shards (70 MB of manifest for 1 TB in one region).
+CHUNK_BYTES = 512 << 10
 
 
 @dataclass(frozen=True)
