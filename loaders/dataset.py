@@ -5,9 +5,9 @@ The epoch's order is computed from the manifest alone (``epoch.py``), so each ra
 worker knows which shards it needs before reading any: they are prefetched in that order, and a
 resumed run skips what was consumed without reading it again. Where the manifest has chunk hashes
 a worker fetches pieces of shards (``pieces.py``), the rank's workers taking turns on the link in
-the order its batches need them (``fetchqueue.py``): the first batch waits for its own chunk, not
-for whole shards. The chain (S3 clients, Alluxio
-sessions, thread pools) is built lazily in the process that iterates, never pickled.
+the order its batches need them (``fetchqueue.py``): the first batch waits for its own chunks, not
+for whole shards. The chain (S3 clients, Alluxio sessions, thread pools) is built lazily in the
+process that iterates, never pickled.
 """
 
 from __future__ import annotations
