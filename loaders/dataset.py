@@ -41,7 +41,9 @@ from geoshard.manifest import RegionManifest
 from geoshard.plan import Plan, load_plan
 
 log = logging.getLogger(__name__)
-STATE_VERSION = 2  # 2: keyed by region and rank within the region
+# 2: keyed by region and rank within the region; 3: shuffle windows grow from one batch (epoch.py),
+# so a position saved under 2 would point into another order: refused, not resumed wrongly.
+STATE_VERSION = 3
 _TAR_END = bytes(1024)  # a piece of a tar that ends before the shard does gets end blocks to parse alone
 _STATS_EVERY_S = 0.25  # how often a DataLoader worker ships its counters with a batch
 
@@ -291,7 +293,10 @@ class RegionalDataset(IterableDataset[Any]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         mine = self.state_dict()
         if state.get("version") != STATE_VERSION:
-            raise ConfigError(f"loader state version {state.get('version')!r} is not {STATE_VERSION}")
+            raise ConfigError(
+                f"loader state version {state.get('version')!r} is not {STATE_VERSION}: it was saved by another geoshard, "
+                "whose epoch order differs; restart the epoch (drop the loader state) or resume with that version"
+            )
         for k in ("region", "generation", "seed", "shuffle", "region_rank", "region_size", "samples_per_rank", "batch_size"):
             if state.get(k) != mine[k]:
                 raise ConfigError(f"loader state does not fit this loader: {k} is {state.get(k)!r} there, {mine[k]!r} here")
