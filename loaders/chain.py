@@ -17,6 +17,7 @@ import mmap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from geoshard.loaders.local_tier import LocalTier
 from geoshard.loaders.stats import LoaderStats
@@ -30,6 +31,7 @@ from geoshard.plan import Plan
 from geoshard.retry import Backoff
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 _ONCE = "; its later failures are counted in the report's tiers table, not logged again"
 
 
@@ -193,17 +195,37 @@ class TierChain:
         progress: Callable[[int], None] | None,
     ) -> bytes | memoryview | None:
         assert shard.chunks is not None
+
+        def read() -> bytes | memoryview:
+            if isinstance(tier, LocalTier):
+                return memoryview(tier.map(shard.path))[offset : offset + length]
+            if progress is not None and hasattr(tier, "read_range") and tier.kind == "s3":
+                return tier.read_range(shard.path, offset, length, progress=progress)  # type: ignore[call-arg,no-any-return]
+            return tier.read_range(shard.path, offset, length)
+
+        got = self._attempt(tier, failures, read)
+        if got is None:
+            return None
+        data, t0 = got
+        bad = self._bad_chunk(shard, first, last, data)
+        if bad:
+            self.stats.count(tier.name, "verify_failures")
+            failures.append(f"{tier.name}: {bad}")
+            if isinstance(tier, LocalTier):
+                data = b""  # let go of the mapping before the file goes
+                tier.remove(shard.path)  # never serve a corrupt local copy again
+            return None
+        self.stats.hit(tier.name, len(data), self._clock() - t0)
+        return data
+
+    def _attempt(self, tier: Tier, failures: list[str], read: Callable[[], _T]) -> tuple[_T, float] | None:
+        """``read()`` with the tier's retries and backoff: (what it read, when the last try began), or
+        None when the tier does not have it or is down (then skipped for the cooldown)."""
         delays = self.settings.backoff.delays()
         while True:
             t0 = self._clock()
             try:
-                data: bytes | memoryview
-                if isinstance(tier, LocalTier):
-                    data = memoryview(tier.map(shard.path))[offset : offset + length]
-                elif progress is not None and hasattr(tier, "read_range") and tier.kind == "s3":
-                    data = tier.read_range(shard.path, offset, length, progress=progress)  # type: ignore[call-arg]
-                else:
-                    data = tier.read_range(shard.path, offset, length)
+                return read(), t0
             except TierMissing as e:
                 self.stats.count(tier.name, "misses")
                 failures.append(str(e))
@@ -213,23 +235,13 @@ class TierChain:
                 delay = next(delays, None)
                 if delay is None:
                     self._down_until[tier.name] = self._clock() + self.settings.cooldown_s
+                    # Once per tier and process (each DataLoader worker is one): the stats count every failure.
                     level = logging.DEBUG if tier.name in self._warned else logging.WARNING
                     self._warned.add(tier.name)
                     log.log(level, "%s failed (%s); skipping it for %.0f s%s", tier.name, e, self.settings.cooldown_s, _ONCE)
                     failures.append(str(e))
                     return None
                 self._sleep(delay)
-                continue
-            bad = self._bad_chunk(shard, first, last, data)
-            if bad:
-                self.stats.count(tier.name, "verify_failures")
-                failures.append(f"{tier.name}: {bad}")
-                if isinstance(tier, LocalTier):
-                    data = b""  # let go of the mapping before the file goes
-                    tier.remove(shard.path)  # never serve a corrupt local copy again
-                return None
-            self.stats.hit(tier.name, len(data), self._clock() - t0)
-            return data
 
     def _bad_chunk(self, shard: ShardEntry, first: int, last: int, data: bytes | memoryview) -> str:
         """What is wrong with chunks ``first``-``last`` in ``data`` ("" when they match the manifest)."""
@@ -264,40 +276,22 @@ class TierChain:
             )
 
     def _try(self, tier: Tier, shard: ShardEntry, failures: list[str]) -> bytes | mmap.mmap | None:
-        delays = self.settings.backoff.delays()
-        while True:
-            t0 = self._clock()
-            try:
-                # Local shards are mapped, not read: one copy fewer on the hot path.
-                data = tier.map(shard.path) if isinstance(tier, LocalTier) else tier.read(shard.path)
-            except TierMissing as e:
-                self.stats.count(tier.name, "misses")
-                failures.append(str(e))
-                return None
-            except TierError as e:
-                self.stats.count(tier.name, "errors")
-                delay = next(delays, None)
-                if delay is None:
-                    self._down_until[tier.name] = self._clock() + self.settings.cooldown_s
-                    # Once per tier and process (each DataLoader worker is one): the stats count every failure.
-                    level = logging.DEBUG if tier.name in self._warned else logging.WARNING
-                    self._warned.add(tier.name)
-                    log.log(level, "%s failed (%s); skipping it for %.0f s%s", tier.name, e, self.settings.cooldown_s, _ONCE)
-                    failures.append(str(e))
-                    return None
-                self._sleep(delay)
-                continue
-            intact = len(data) == shard.bytes and verify_digest(
-                data, sha256_hex=shard.sha256, xxh3_hex=shard.xxh3_128, mode=self.settings.verify
-            )
-            if not intact:
-                self.stats.count(tier.name, "verify_failures")
-                failures.append(f"{tier.name}: {shard.path} does not match its manifest ({len(data)} of {shard.bytes} bytes)")
-                if isinstance(tier, LocalTier):
-                    tier.remove(shard.path)  # never serve a corrupt local copy again
-                return None
-            self.stats.hit(tier.name, len(data), self._clock() - t0)
-            return data
+        # Local shards are mapped, not read: one copy fewer on the hot path.
+        got = self._attempt(tier, failures, lambda: tier.map(shard.path) if isinstance(tier, LocalTier) else tier.read(shard.path))
+        if got is None:
+            return None
+        data, t0 = got
+        intact = len(data) == shard.bytes and verify_digest(
+            data, sha256_hex=shard.sha256, xxh3_hex=shard.xxh3_128, mode=self.settings.verify
+        )
+        if not intact:
+            self.stats.count(tier.name, "verify_failures")
+            failures.append(f"{tier.name}: {shard.path} does not match its manifest ({len(data)} of {shard.bytes} bytes)")
+            if isinstance(tier, LocalTier):
+                tier.remove(shard.path)  # never serve a corrupt local copy again
+            return None
+        self.stats.hit(tier.name, len(data), self._clock() - t0)
+        return data
 
 
 def build_chain(plan: Plan, region: str, settings: ChainSettings | None = None, stats: LoaderStats | None = None) -> TierChain:
