@@ -85,26 +85,8 @@ _SCENARIO = textwrap.dedent(
 
 
 def test_a_view_outliving_its_shard_and_replica_file_keeps_its_bytes(tmp_path: Path) -> None:
-    from geoshard.formats.wds import TarWriter
-    from geoshard.hashing import sha256, xxh3_128
-    from geoshard.manifest import RegionManifest, ShardEntry
-
+    plan, entries = _replica(tmp_path)
     replica = tmp_path / "eu-west-1"
-    replica.mkdir()
-    entries = []
-    for s in range(3):
-        f = io.BytesIO()
-        w = TarWriter(f)
-        for i in range(100):
-            w.write_sample([(b"s%d-%04d.img" % (s, i), bytes([(s * 7 + i) % 256]) * 5000), (b"s%d-%04d.cls" % (s, i), b"1")])
-        w.close()
-        data = f.getvalue()
-        name = f"{s:05d}-0000-{sha256(data)[:12]}.tar"
-        (replica / name).write_bytes(data)
-        entries.append(ShardEntry(name, 100, len(data), sha256(data), s, xxh3_128(data)))
-    (replica / "manifest.json").write_bytes(RegionManifest("eu-west-1", "wds", 1, "p", tuple(entries)).to_json())
-    plan = tmp_path / "plan.toml"
-    plan.write_text(f'[regions.eu-west-1]\nweight = 1\nlocal = "{replica}"\n')
     # In a child process: if a view faulted (SIGBUS), the child dies, not the test run.
     r = subprocess.run(
         [sys.executable, "-P", "-c", _SCENARIO, str(plan), str(replica)], capture_output=True, text=True, timeout=120, check=False
