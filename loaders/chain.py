@@ -17,7 +17,7 @@ import mmap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from geoshard.loaders.local_tier import LocalTier
 from geoshard.loaders.stats import LoaderStats
@@ -111,27 +111,38 @@ class TierChain:
 
     def fetch(self, shard: ShardEntry) -> bytes | mmap.mmap:
         """The shard's bytes from the nearest tier that has them intact."""
-        failures = []
+
+        def attempt(tier: Tier, failures: list[str]) -> bytes | mmap.mmap | None:
+            return self._try(tier, shard, failures)
+
+        tier, data = self._nearest(shard, shard.bytes, "", attempt)
+        # (Only the local replica maps its shards; what other tiers return is bytes.)
+        if self.settings.writeback and self.local is not None and tier is not self.local and isinstance(data, bytes):
+            try:
+                self.local.write(shard.path, data)
+                self.stats.writebacks += 1
+            except (OSError, TierError) as e:
+                log.warning("write-back of %s to %s failed: %s", shard.path, self.local.name, e)
+        return data
+
+    def _nearest(self, shard: ShardEntry, nbytes: int, what: str, attempt: Callable[[Tier, list[str]], Any]) -> tuple[Tier, Any]:
+        """The first healthy tier, in order, whose ``attempt`` succeeds (reads from another region
+        within the egress budget, and counted); AllTiersFailed with every tier's reason otherwise."""
+        failures: list[str] = []
         for tier in self.tiers:
             if not self.healthy(tier):
                 failures.append(f"{tier.name}: cooling down after a failure")
                 continue
-            if tier.region and tier.region != self.region:
-                self._check_egress(tier, shard, shard.bytes)
-            data = self._try(tier, shard, failures)
+            remote = bool(tier.region and tier.region != self.region)
+            if remote:
+                self._check_egress(tier, shard, nbytes)
+            data = attempt(tier, failures)
             if data is None:
                 continue
-            if tier.region and tier.region != self.region:
-                self.stats.add_egress(tier.region, self.region, len(data))
-            # (Only the local replica maps its shards; what other tiers return is bytes.)
-            if self.settings.writeback and self.local is not None and tier is not self.local and isinstance(data, bytes):
-                try:
-                    self.local.write(shard.path, data)
-                    self.stats.writebacks += 1
-                except (OSError, TierError) as e:
-                    log.warning("write-back of %s to %s failed: %s", shard.path, self.local.name, e)
-            return data
-        raise AllTiersFailed(f"shard {shard.path} (region {self.region}): no tier could serve it: " + "; ".join(failures))
+            if remote:
+                self.stats.add_egress(tier.region, self.region, nbytes)
+            return tier, data
+        raise AllTiersFailed(f"shard {shard.path}{what} (region {self.region}): no tier could serve it: " + "; ".join(failures))
 
     def read_manifest(self) -> RegionManifest:
         """The region manifest from the nearest tier holding a valid one for this region."""
@@ -167,21 +178,12 @@ class TierChain:
         if c is None or not 0 <= first <= last < len(c.bytes):
             raise ValueError(f"{shard.path}: no chunks {first}-{last}")
         offset, length = sum(c.bytes[:first]), sum(c.bytes[first : last + 1])
-        failures: list[str] = []
-        for tier in self.tiers:
-            if not self.healthy(tier):
-                failures.append(f"{tier.name}: cooling down after a failure")
-                continue
-            if tier.region and tier.region != self.region:
-                self._check_egress(tier, shard, length)
-            data = self._try_chunks(tier, shard, first, last, offset, length, failures, progress)
-            if data is None:
-                continue
-            if tier.region and tier.region != self.region:
-                self.stats.add_egress(tier.region, self.region, len(data))
-            return data
-        what = f"chunk {first}" if first == last else f"chunks {first}-{last}"
-        raise AllTiersFailed(f"shard {shard.path} {what} (region {self.region}): no tier could serve it: " + "; ".join(failures))
+        what = f" chunk {first}" if first == last else f" chunks {first}-{last}"
+
+        def attempt(tier: Tier, failures: list[str]) -> bytes | memoryview | None:
+            return self._try_chunks(tier, shard, first, last, offset, length, failures, progress)
+
+        return self._nearest(shard, length, what, attempt)[1]
 
     def _try_chunks(
         self,
