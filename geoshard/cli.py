@@ -20,6 +20,7 @@ from geoshard.errors import GeoshardError
 from geoshard.formats import FORMATS, Format
 from geoshard.plan import load_plan
 from geoshard.units import human_bytes
+from geoshard.verify import MODES as VERIFY_MODES
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -128,7 +129,7 @@ def split(
 @click.option(
     "--verify",
     "mode",
-    type=click.Choice(["xxh3", "sha256"]),
+    type=click.Choice(VERIFY_MODES),
     default="xxh3",
     show_default=True,
     help="Check by the manifest's xxh3_128 (sha256 where it has none), or by sha256 (cryptographic).",

@@ -17,6 +17,7 @@ from geoshard.plan import load_plan
 from geoshard.retry import Backoff
 from geoshard.split import SplitSettings
 from geoshard.sync.push import SyncReport, SyncSettings
+from geoshard.verify import MODES as VERIFY_MODES
 
 _SYNC_KEYS = ("regions", "dry_run", "delete", "keep_generations", "workers", "retries", "create_buckets", "verify_remote", "endpoint")
 
@@ -123,7 +124,7 @@ def _region_errors(report: SyncReport) -> None:
 @click.option("--endpoint", help="S3 endpoint when the plan has none for the region.")
 @click.option(
     "--verify",
-    type=click.Choice(["xxh3", "sha256"]),
+    type=click.Choice(VERIFY_MODES),
     default="xxh3",
     show_default=True,
     help="Check every shard by the manifest's xxh3_128 (sha256 where it has none), or by sha256 (cryptographic).",
