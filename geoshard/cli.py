@@ -61,6 +61,11 @@ def main(verbose: int) -> None:
     help="Size of the in-process Dask cluster (default: one per core).",
 )
 @click.option("--scheduler", help="Run on an existing Dask cluster, e.g. tcp://10.0.0.5:8786.")
+@click.option(
+    "--processes/--threads",
+    default=None,
+    help="In-process cluster of worker processes, or of threads (default: threads for local sources, processes for s3://).",
+)
 @click.option("--format", "fmt", type=click.Choice(FORMATS), help="Source format when file names do not tell.")
 @click.option("--endpoint", help="S3 endpoint for s3:// sources whose bucket is not in the plan.")
 @click.option("--replace", is_flag=True, help="Allow replacing a split of a different plan in --out.")
@@ -76,6 +81,7 @@ def split(
     out: Path,
     workers: int | None,
     scheduler: str | None,
+    processes: bool | None,
     fmt: str | None,
     endpoint: str | None,
     replace: bool,
@@ -92,6 +98,7 @@ def split(
         out=out,
         workers=workers,
         scheduler=scheduler,
+        processes=processes,
         fmt=cast(Format | None, fmt),
         s3=s3_access(plan, endpoint),
         replace=replace,
@@ -113,6 +120,7 @@ def split(
                     "bytes_in": result.bytes_in,
                     "seconds": round(result.seconds, 3),
                     "cluster_seconds": round(result.cluster_seconds, 3),
+                    "cluster": result.cluster,
                     "job_seconds": round(result.job_seconds, 3),
                     "regions": {n: r.to_dict() for n, r in result.manifest.regions.items()},
                     "truncated": [{"source": url, "samples": n} for url, n in result.truncated],

@@ -63,3 +63,71 @@ class Window:
     def left(self) -> int:
         """Bytes from ``pos`` to the end of the stream as far as known (read, or its known size)."""
         return self.size - self.offset if self.size is not None else self.remaining()
+
+
+class ReusedWindow:
+    """A window that reads into one buffer it keeps, with ``readinto`` where the stream has it.
+
+    :class:`Window` pays two copies per byte: ``read`` into a fresh object, then the join with
+    what was left; here the bytes land once, in place (~0.3-0.5 CPU-s per GB less in the split).
+    The price is the lifetime: ``buf`` is a memoryview that the next :meth:`fill` overwrites, so a
+    caller must be done with every view it cut from it (the split flushes its writers per window).
+    :meth:`detach` hands the rest to a plain :class:`Window` (the member-by-member reader)."""
+
+    __slots__ = ("_readinto", "_store", "base", "buf", "chunk", "f", "pos", "size")
+
+    def __init__(self, f: Readable, chunk: int = CHUNK, size: int | None = None) -> None:
+        self.f = f
+        self.size = size
+        self.chunk = chunk
+        self._store = bytearray(2 * chunk)  # a window plus what a sample left of the last one
+        self._readinto = getattr(f, "readinto", None)
+        self.buf = memoryview(self._store)[:0]
+        self.pos = 0
+        self.base = 0
+
+    @property
+    def offset(self) -> int:
+        return self.base + self.pos
+
+    def fill(self, n: int) -> bool:
+        """As :meth:`Window.fill`; every view of the previous ``buf`` is overwritten."""
+        have = len(self.buf) - self.pos
+        if have >= n:
+            return True
+        store = self._store
+        if self.pos:
+            rest = self.buf[self.pos :]
+            # bytearray slice assignment is a memcpy: overlapping ranges go through a copy.
+            store[:have] = rest if have <= self.pos else bytes(rest)
+        self.base += self.pos
+        self.pos = 0
+        while have < n:
+            step = min(max(self.chunk, n - have), _MAX_READ)
+            if have + step > len(store):  # only for records larger than the window; grows as bytes arrive
+                grown = bytearray(max(have + step, 2 * len(store)))
+                grown[:have] = memoryview(store)[:have]
+                store = self._store = grown
+            got = self._read(memoryview(store)[have : have + step])
+            if not got:
+                break
+            have += got
+        self.buf = memoryview(store)[:have]
+        return have >= n
+
+    def _read(self, into: memoryview) -> int:
+        if self._readinto is not None:
+            return self._readinto(into) or 0  # type: ignore[no-any-return]
+        data = self.f.read(len(into))
+        into[: len(data)] = data
+        return len(data)
+
+    def detach(self) -> Window:
+        """A plain :class:`Window` over the same stream, holding a copy of the unparsed bytes."""
+        w = Window(self.f, self.chunk, self.size)
+        w.buf = bytes(self.buf[self.pos :])
+        w.base = self.base + self.pos
+        return w
+
+    def remaining(self) -> int:
+        return len(self.buf) - self.pos

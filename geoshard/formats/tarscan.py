@@ -42,7 +42,7 @@ class Members:
     first: np.ndarray  # index of each sample's first member; ``first[i+1]`` ends sample i
 
 
-def scan(buf: bytes, pos: int, eof: bool, members: bool = False) -> ScanResult | None:
+def scan(buf: bytes | memoryview, pos: int, eof: bool, members: bool = False) -> ScanResult | None:
     """Parse the complete samples of ``buf[pos:]``; None means: use the slow reader here."""
     nblocks = (len(buf) - pos) // BLOCK
     if nblocks < 2:
@@ -114,8 +114,9 @@ def scan(buf: bytes, pos: int, eof: bool, members: bool = False) -> ScanResult |
     member_end = pos + nxt[:complete] * BLOCK
     starts = (pos + cand[firsts[:nsamples]] * BLOCK).tolist()
     ends = member_end[np.append(firsts[1:], complete)[:nsamples] - 1].tolist()
-    klen = key_len[firsts[:nsamples]].tolist()
-    out = [buf[s : s + n] for s, n in zip(starts, klen, strict=True)]
+    # Keys as bytes from the masked names (NUL-padded, which tolist strips; a key holds no NUL):
+    # never slices of ``buf``, which may be a reused buffer's memoryview.
+    out = key_s[firsts[:nsamples]].tolist()
     m = None
     if members:
         nm = int(np.append(firsts, complete)[nsamples])  # members of the emitted samples

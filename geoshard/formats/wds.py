@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 from geoshard.errors import DataError
-from geoshard.formats._window import Readable, Window
+from geoshard.formats._window import Readable, ReusedWindow, Window
 from geoshard.formats.tarscan import scan
 
 EXTENSIONS = (".tar",)
@@ -171,21 +171,24 @@ def _slow_samples(w: Window, name: str, unterminated: OnUnterminated | None = No
 
 
 def iter_raw_windows(
-    f: Readable, name: str, unterminated: OnUnterminated | None = None, size: int | None = None
-) -> Iterator[tuple[bytes, list[bytes], list[int], list[int]]]:
+    f: Readable, name: str, unterminated: OnUnterminated | None = None, size: int | None = None, reuse: bool = False
+) -> Iterator[tuple[bytes | memoryview, list[bytes], list[int], list[int]]]:
     """Yield batches ``(buf, keys, starts, ends)``: sample i is ``buf[starts[i]:ends[i]]``.
 
     Windows of plain ustar members go through the vectorized scanner; at the first window it
     declines (PAX headers, long names, metadata members, errors) the rest of the stream is read
     member by member, which also gives the precise error message. Batches let hot loops slice
     samples out of one buffer without a generator step per sample.
+
+    ``reuse``: read into one kept buffer (:class:`ReusedWindow`, a copy less per byte); ``buf`` is
+    then a memoryview valid only until the next batch is asked for. Keys are ``bytes`` either way.
     """
-    w = Window(f, CHUNK, size)
+    w: Window | ReusedWindow = ReusedWindow(f, CHUNK, size) if reuse else Window(f, CHUNK, size)
     while True:
         more = w.fill(CHUNK)
         r = scan(w.buf, w.pos, eof=not more)
         if r is None:
-            for key, raw in _slow_samples(w, name, unterminated):
+            for key, raw in _slow_samples(w.detach() if isinstance(w, ReusedWindow) else w, name, unterminated):
                 yield raw, [key], [0], [len(raw)]
             return
         yield w.buf, r.keys, r.starts, r.ends
@@ -198,7 +201,7 @@ def iter_raw_samples(f: Readable, name: str, unterminated: OnUnterminated | None
     """Yield ``(key, raw)`` per sample, grouped exactly as webdataset groups members."""
     for buf, keys, starts, ends in iter_raw_windows(f, name, unterminated):
         for key, start, end in zip(keys, starts, ends, strict=True):
-            yield key, buf[start:end]
+            yield key, bytes(buf[start:end])  # already bytes (no reuse here): bytes() returns it as is
 
 
 def raw_members(raw: bytes) -> list[Member]:

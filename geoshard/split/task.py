@@ -126,6 +126,11 @@ class _ShardWriter:
         self.parts = []
         self.pending = 0
 
+    def release(self) -> None:
+        """Write what is pending now: its views into the read window must not outlive it."""
+        if self.parts:
+            self._flush()
+
     def _write_all(self, data: bytes) -> None:
         view = memoryview(data)
         while view:
@@ -328,7 +333,9 @@ def _route_wds(
     n = 0
     # The hot loop of the split: per sample one hash, one set lookup, one list append.
     allow = unterminated if task.allow_truncated_tar else None
-    for buf, keys, starts, ends in wds.iter_raw_windows(stream, url, allow, size):
+    # The window's buffer is reused: each writer writes out its views of it before the next fill.
+    releases = [w.release for w in writers]
+    for buf, keys, starts, ends in wds.iter_raw_windows(stream, url, allow, size, reuse=True):
         mv = memoryview(buf)
         for key, start, end in zip(keys, starts, ends, strict=True):
             h = from_bytes(blake(key, digest_size=8).digest(), "little")
@@ -343,6 +350,8 @@ def _route_wds(
                 targets = every if value is None else route.by_value(value(bytes(raw)), url, repr(key.decode(errors="replace")))
                 for r in targets:
                     adds[r](raw)
+        for release in releases:
+            release()
         n += len(keys)
         tick(len(keys))
     return n
