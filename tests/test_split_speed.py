@@ -5,8 +5,10 @@ worker processes, and bad input stays one line on both (docs/benchmarks.md, `geo
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import math
 import os
 import random
 import tarfile
@@ -18,6 +20,7 @@ from splitkit import make_corpus, read_corpus, region_shards, tree_digest, write
 
 from geoshard.formats import wds
 from geoshard.formats._window import ReusedWindow, Window
+from geoshard.routing import NSLOTS, slot_table
 from geoshard.verify import verify_split
 
 
@@ -137,3 +140,38 @@ def test_bad_input_is_one_line_on_both_in_process_clusters(tmp_path: Path, kind:
     r = _cli_split(tmp_path, src, "out", kind)
     assert_one_line(r, 1, "duplicate sample key", str(tars[0]), str(tars[1]))
     assert r.out == "" and published(tmp_path / "out") == []
+
+
+def _slot_table_as_before(names: tuple[str, ...], weights: tuple[float, ...]) -> bytes:
+    """The slot table as geoshard computed it before it was sped up: one Python loop over every
+    (region, slot), strict ">" over regions in order. Splits made then must route the same."""
+    best = [-1.0] * NSLOTS
+    table = bytearray(NSLOTS)
+    for idx, (name, weight) in enumerate(zip(names, weights, strict=True)):
+        for block in range(NSLOTS // 8):
+            digest = hashlib.blake2b(b"%s:%d" % (name.encode(), block), digest_size=64).digest()
+            for j in range(8):
+                u = (int.from_bytes(digest[8 * j : 8 * j + 8], "little") + 0.5) / 2.0**64
+                score = weight / -math.log(u)
+                if score > best[block * 8 + j]:
+                    best[block * 8 + j] = score
+                    table[block * 8 + j] = idx
+    return bytes(table)
+
+
+@pytest.mark.parametrize(
+    ("names", "weights"),
+    [
+        (("us-east-1", "eu-west-1", "ap-southeast-1"), (2, 1, 1)),
+        (("a", "b"), (1, 1)),
+        (("solo",), (3.5,)),
+        (("a", "b", "c", "d"), (0.1, 1e6, 3, 3)),
+        (("same", "same"), (1, 1)),  # equal scores everywhere: the first region wins every tie
+    ],
+)
+def test_slot_table_routes_exactly_as_before(names: tuple[str, ...], weights: tuple[float, ...]) -> None:
+    table = slot_table(names, weights)
+    assert table == _slot_table_as_before(names, weights)
+    assert len(table) == NSLOTS and set(table) <= set(range(len(names)))
+    if names == ("same", "same"):
+        assert set(table) == {0}
