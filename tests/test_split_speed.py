@@ -5,6 +5,7 @@ worker processes, and bad input stays one line on both (docs/benchmarks.md, `geo
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import json
@@ -175,3 +176,19 @@ def test_slot_table_routes_exactly_as_before(names: tuple[str, ...], weights: tu
     assert len(table) == NSLOTS and set(table) <= set(range(len(names)))
     if names == ("same", "same"):
         assert set(table) == {0}
+
+
+def test_gzip_sources_split_through_the_reused_window(tmp_path: Path) -> None:
+    """``.tar.gz`` sources reach the window through ``GzipFile.readinto``: every sample once, byte for byte."""
+    plain = make_corpus(tmp_path / "plain", samples=120, sample_bytes=300_000, shard_samples=60)
+    (tmp_path / "src").mkdir()
+    for p in plain:
+        (tmp_path / "src" / (p.name + ".gz")).write_bytes(gzip.compress(p.read_bytes(), compresslevel=1))
+    write_plan(tmp_path / "plan.toml", shard_bytes="2MB")
+    r = _cli_split(tmp_path, tmp_path / "src", "out")
+    assert r.rc == 0 and r.err == "", r.err[-3000:]
+    doc = json.loads(r.out)
+    assert doc["cluster"] == "threads" and doc["samples_in"] == 120
+    written = read_corpus([p for paths in region_shards(tmp_path / "out").values() for p in paths], "wds")
+    assert written == read_corpus(plain, "wds") and sum(written.values()) == 120
+    assert verify_split(tmp_path / "out", "sha256")[1].ok
