@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 import click
+from geoshard.trainer.exit import exit_rank
 from geoshard.trainer.options import config_from, train_options
 
 from geoshard.errors import GeoshardError
@@ -25,13 +26,14 @@ def main(**kwargs: Any) -> None:
         cfg = config_from(**kwargs)
     except GeoshardError as e:  # geoshard train checks the options before launch; torchrun users see this line
         click.echo(f"geoshard.trainer: error: {e.message}", err=True)
-        sys.exit(e.exit_code)
+        sys.exit(e.exit_code)  # before init_process_group: no gloo threads yet
     try:
         train(cfg)
     except GeoshardError as e:
         record_failure(cfg.out, int(os.environ.get("RANK", "0")), e)  # geoshard train prints it once
         click.echo(f"geoshard.trainer: error: {e.message}", err=True)
-        sys.exit(e.exit_code)
+        exit_rank(e.exit_code)
+    exit_rank(0)
 
 
 if __name__ == "__main__":

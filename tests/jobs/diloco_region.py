@@ -13,6 +13,7 @@ argv: MODE REGION REGION_RANK REGION_SIZE REGION_PORT STORE_PORT OUT
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import hashlib
 import json
 import os
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from geoshard.trainer.diloco import DiLoCo, OuterSync, RoundRecord, connect_store
+from geoshard.trainer.exit import exit_rank
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -205,10 +207,12 @@ def chaos(job: Region) -> None:
 
 
 def main() -> None:
+    faulthandler.enable()  # a C++ abort (SIGABRT) prints where each Python thread was
     job = Region(sys.argv[1:])
     {"equiv": equiv, "loss": loss, "chaos": chaos, "overlap": overlap}[job.mode](job)
     if job.group is not None:
         dist.destroy_process_group()
+    exit_rank(0)  # DDP keeps gloo's threads alive into finalization (trainer/exit.py)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from geoshard.loaders.topology import Topology
 from geoshard.trainer.comm import CommState, hierarchical_hook, timed_allreduce_hook
+from geoshard.trainer.exit import exit_rank
 from geoshard.trainer.loop import forward_backward
 from geoshard.trainer.model import INPUT_BYTES, Net
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -73,6 +74,7 @@ def main() -> None:
         params = sum(p.numel() for p in Net(64).parameters())
         out.write_text(json.dumps({"results": results, "params": params, "steps": STEPS}, indent=1))
     dist.destroy_process_group()
+    exit_rank(0)  # DDP keeps gloo's threads alive into finalization (trainer/exit.py)
 
 
 if __name__ == "__main__":
