@@ -65,7 +65,7 @@ class Window:
         return self.size - self.offset if self.size is not None else self.remaining()
 
 
-class ReusedWindow:
+class ReusedWindow(Window):
     """A window that reads into one buffer it keeps, with ``readinto`` where the stream has it.
 
     :class:`Window` pays two copies per byte: ``read`` into a fresh object, then the join with
@@ -74,21 +74,15 @@ class ReusedWindow:
     caller must be done with every view it cut from it (the split flushes its writers per window).
     :meth:`detach` hands the rest to a plain :class:`Window` (the member-by-member reader)."""
 
-    __slots__ = ("_readinto", "_store", "base", "buf", "chunk", "f", "pos", "size")
+    __slots__ = ("_readinto", "_store")
 
     def __init__(self, f: Readable, chunk: int = CHUNK, size: int | None = None) -> None:
-        self.f = f
-        self.size = size
-        self.chunk = chunk
+        super().__init__(f, chunk, size)
         self._store = bytearray(2 * chunk)  # a window plus what a sample left of the last one
         self._readinto = getattr(f, "readinto", None)
-        self.buf = memoryview(self._store)[:0]
-        self.pos = 0
-        self.base = 0
-
-    @property
-    def offset(self) -> int:
-        return self.base + self.pos
+        # A memoryview where Window has bytes: the split's raw reader only slices it, and the
+        # member-by-member reader, which needs bytes' methods, gets a plain Window (detach).
+        self.buf = memoryview(self._store)[:0]  # type: ignore[assignment]
 
     def fill(self, n: int) -> bool:
         """As :meth:`Window.fill`; every view of the previous ``buf`` is overwritten."""
@@ -112,7 +106,7 @@ class ReusedWindow:
             if not got:
                 break
             have += got
-        self.buf = memoryview(store)[:have]
+        self.buf = memoryview(store)[:have]  # type: ignore[assignment]
         return have >= n
 
     def _read(self, into: memoryview) -> int:
@@ -128,6 +122,3 @@ class ReusedWindow:
         w.buf = bytes(self.buf[self.pos :])
         w.base = self.base + self.pos
         return w
-
-    def remaining(self) -> int:
-        return len(self.buf) - self.pos
