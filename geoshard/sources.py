@@ -268,9 +268,9 @@ class HashingReader:
 @contextmanager
 def open_source(ref: SourceRef, s3: S3Access, algorithm: str = FAST) -> Iterator[tuple[Readable, HashingReader]]:
     """Yield (decoded stream, hashing reader over the stored bytes, hashing with ``algorithm``)."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
     if ref.url.startswith("s3://"):
+        from botocore.exceptions import BotoCoreError, ClientError  # only here: a local split imports no botocore
+
         bucket, key = split_s3_url(ref.url)
         endpoint, profile = s3.for_bucket(bucket)
         try:
