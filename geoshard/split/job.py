@@ -1,23 +1,27 @@
 """The split as a Dask job: list sources, group them, run one task per group, publish.
 
-The driver only lists, schedules and publishes; workers read sources and write shards, so no
-sample passes through the driver. The output folder is locked for the duration of a split.
+The driver only lists, schedules and publishes; the tasks read sources and write shards, so no
+sample passes through the driver. The tasks run on Dask's threaded scheduler in this process
+(geoshard/split/threaded.py) or on a ``distributed`` cluster (geoshard/split/cluster.py). The
+output folder is locked for the duration of a split.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from geoshard.errors import ConfigError, DataError, LockedError, StorageError
 from geoshard.formats import Format
@@ -37,7 +41,7 @@ from geoshard.routing import RouteSpec
 from geoshard.sources import S3Access, SourceRef, expand_sources, hash_source
 from geoshard.split.groups import make_groups
 from geoshard.split.publish import KEYS, TMP, manifest_sha, publish
-from geoshard.split.task import PROGRESS_TOPIC, GroupResult, GroupTask, TaskFailed, find_key_task, run_group_task
+from geoshard.split.task import GroupResult, GroupTask, TaskFailed, find_key_task
 
 log = logging.getLogger(__name__)
 ProgressFn = Callable[[dict[str, int]], None]
@@ -46,8 +50,8 @@ ProgressFn = Callable[[dict[str, int]], None]
 @dataclass(frozen=True)
 class SplitSettings:
     out: Path
-    workers: int | None = None  # in-process LocalCluster size; None: one per core
-    processes: bool | None = None  # in-process cluster of worker processes; None: threads for local sources
+    workers: int | None = None  # threads, or in-process LocalCluster worker processes; None: one per core
+    processes: bool | None = None  # in-process LocalCluster of worker processes; None: threads for local sources
     scheduler: str | None = None  # tcp://host:port of an existing cluster
     fmt: Format | None = None  # None: from file names / content
     s3: S3Access = field(default_factory=S3Access)
@@ -64,9 +68,9 @@ class SplitResult:
     samples_in: int  # samples read by this run's tasks (all of them unless incremental)
     bytes_in: int
     seconds: float  # the whole split, from listing sources to publishing
-    cluster_seconds: float = 0.0  # starting or connecting to the Dask cluster
+    cluster_seconds: float = 0.0  # starting or connecting to the Dask cluster (~0 on threads)
     job_seconds: float = 0.0  # the tasks: from submission to the last result
-    cluster: str = ""  # where the tasks ran: "threads" or "processes" (in-process cluster), "scheduler"
+    cluster: str = ""  # where the tasks ran: "threads" (Dask's threaded scheduler), "processes" (in-process cluster), "scheduler"
     groups_run: tuple[int, ...] = ()  # groups (re-)split by this run
     unchanged: bool = False  # incremental run that found nothing to do; nothing was published
     truncated: tuple[tuple[str, int], ...] = ()  # (source, samples read) of tars without end blocks, when allowed
@@ -87,37 +91,10 @@ def _locked(out: Path) -> Iterator[None]:
         yield
 
 
-@contextmanager
-def dask_client(settings: SplitSettings, remote_sources: bool = False) -> Iterator[Any]:
-    """A client of the ``--scheduler`` cluster, else of an in-process ``LocalCluster``.
-
-    The in-process cluster is a real Dask scheduler and worker either way. For local sources its
-    worker runs its tasks in threads of this process: it starts in ~0.05 s where worker processes
-    take 0.4 s on an idle 2-core machine and 1.4-5.5 s on a busy one, and the tasks lose nothing,
-    as the reads, writes and hashes release the GIL (docs/benchmarks.md). Sources on S3 (or
-    ``processes=True``) get one worker process per core, as a remote cluster would."""
-    from distributed import Client, LocalCluster
-
-    if settings.scheduler:
-        try:
-            client = Client(settings.scheduler, timeout="10s")
-        except (OSError, TimeoutError) as e:
-            raise ConfigError(f"--scheduler {settings.scheduler}: cannot connect to the Dask scheduler ({e})") from e
-        with client:
-            yield client
-        return
-    n = settings.workers or len(os.sched_getaffinity(0))
-    processes = cluster_kind(settings, remote_sources) == "processes"
-    shape = {"n_workers": n, "threads_per_worker": 1} if processes else {"n_workers": 1, "threads_per_worker": n}
-    with (
-        LocalCluster(**shape, processes=processes, dashboard_address=":0", silence_logs=logging.ERROR) as cluster,
-        Client(cluster) as client,
-    ):
-        yield client
-
-
 def cluster_kind(settings: SplitSettings, remote_sources: bool) -> str:
-    """ "scheduler" (``--scheduler``), else the in-process cluster's "processes" or "threads"."""
+    """ "scheduler" (``--scheduler``), "processes" (an in-process ``LocalCluster`` of worker
+    processes: ``--processes``, or by default when a source is on S3), else "threads" (Dask's
+    threaded scheduler in this process)."""
     if settings.scheduler:
         return "scheduler"
     return "processes" if (settings.processes if settings.processes is not None else remote_sources) else "threads"
@@ -232,37 +209,56 @@ def _check_out(out: Path, plan: Plan, replace: bool) -> Manifest | None:
 def _run_tasks(
     tasks: list[GroupTask], settings: SplitSettings, progress: ProgressFn | None, kept: list[KeptGroup]
 ) -> tuple[list[GroupResult], tuple[float, float]]:
-    from distributed import as_completed
-
     results: list[GroupResult] = []
-    t0 = time.monotonic()
     remote = any(ref.url.startswith("s3://") for t in tasks for ref in t.sources)
-    with dask_client(settings, remote) as client:
+    progress = _serialized(progress) if progress is not None else None
+    start = _runner(settings, remote)  # imports dask or distributed: not part of the cluster's start
+    t0 = time.monotonic()
+    with start(progress) as runner:
         t1 = time.monotonic()
-        if progress is not None:
-            client.subscribe_topic(PROGRESS_TOPIC, lambda event: progress(event[1]))
-        keys = [f"geoshard-split-{t.group}-{os.getpid()}-{time.time_ns()}" for t in tasks]
-        futures = client.map(run_group_task, tasks, pure=False, key=keys)
-        try:
-            for fut in as_completed(futures):
-                res: GroupResult | TaskFailed = fut.result()
-                if isinstance(res, TaskFailed):
-                    raise res.error
-                results.append(res)
-                if progress is not None:
-                    progress({"shards": len(res.shards)})
-            t2 = time.monotonic()
-            _check_duplicates(client, results, tasks, kept)
-        except BaseException:
-            client.cancel(futures)
-            raise
-        finally:
+
+        def done(res: GroupResult) -> None:
+            results.append(res)
             if progress is not None:
-                client.unsubscribe_topic(PROGRESS_TOPIC)
+                progress({"shards": len(res.shards)})
+
+        runner.run(tasks, done)
+        t2 = time.monotonic()
+        _check_duplicates(runner, results, tasks, kept)
     return sorted(results, key=lambda r: r.group), (t1 - t0, t2 - t1)
 
 
-def _check_duplicates(client: Any, results: list[GroupResult], tasks: list[GroupTask], kept: list[KeptGroup]) -> None:
+def _runner(settings: SplitSettings, remote: bool) -> Callable[[ProgressFn | None], AbstractContextManager[Runner]]:
+    """Dask's threaded scheduler in this process, else a ``distributed`` cluster (imported only then)."""
+    if cluster_kind(settings, remote) == "threads":
+        from geoshard.split.threaded import threaded_runner
+
+        return functools.partial(threaded_runner, settings.workers)
+    from geoshard.split.cluster import cluster_runner
+
+    return functools.partial(cluster_runner, settings.scheduler, settings.workers)
+
+
+class Runner(Protocol):
+    """Where the tasks run: geoshard/split/threaded.py or geoshard/split/cluster.py."""
+
+    def run(self, tasks: Sequence[GroupTask], on_result: Callable[[GroupResult], None]) -> None: ...
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+
+def _serialized(progress: ProgressFn) -> ProgressFn:
+    """``progress`` for callers in several threads (tasks, the driver, a client's event loop)."""
+    lock = threading.Lock()
+
+    def locked(event: dict[str, int]) -> None:
+        with lock:
+            progress(event)
+
+    return locked
+
+
+def _check_duplicates(runner: Runner, results: list[GroupResult], tasks: list[GroupTask], kept: list[KeptGroup]) -> None:
     """Each task rejects duplicates inside its group; this finds keys repeated across groups."""
     import numpy as np
 
@@ -285,7 +281,7 @@ def _check_duplicates(client: Any, results: list[GroupResult], tasks: list[Group
         for g in (int(owners[order[i]]), int(owners[order[i + 1]]))
     )
     # Only the 64-bit hash came back; a task finds the key and its sources for the message.
-    found = client.submit(find_key_task, groups, int(sorted_h[i]), pure=False).result()
+    found = runner.call(find_key_task, groups, int(sorted_h[i]))
     if isinstance(found, TaskFailed):
         raise found.error
     raise DataError(f"duplicate sample key {found[0]!r} in {' and '.join(found[1])}")

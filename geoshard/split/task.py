@@ -6,15 +6,17 @@ the 64-bit key hashes the driver uses to find duplicate keys across groups.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import sys
 import time
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from geoshard.errors import DataError, GeoshardError, StorageError
 from geoshard.formats import SHARD_SUFFIX, Format, tfrecord, wds
@@ -184,16 +186,31 @@ class _ShardWriter:
         return self.done
 
 
+class Reporter(Protocol):
+    """Where a task in the driver's own process (Dask's threaded scheduler) sends its progress.
+
+    Both methods are called from the task's thread: ``event`` with (samples, bytes) deltas,
+    ``check`` at every tick, raising to stop a task whose split was abandoned (a failed task
+    elsewhere, Ctrl-C) so that it writes nothing more into the temporary folder."""
+
+    def event(self, counts: dict[str, int]) -> None: ...
+
+    def check(self) -> None: ...
+
+
 class _Progress:
-    """Sends (samples, bytes) deltas to the driver about twice a second through Dask events."""
+    """Sends (samples, bytes) deltas to the driver about twice a second: to ``report`` in the
+    driver's process, else through Dask events from a ``distributed`` worker."""
 
-    def __init__(self) -> None:
-        try:
-            from distributed import get_worker
-
-            self.worker: Any = get_worker()
-        except (ImportError, ValueError):
-            self.worker = None
+    def __init__(self, report: Reporter | None = None) -> None:
+        self.report = report
+        self.worker: Any = None
+        # Only a task on a distributed worker has one, and there distributed is imported already:
+        # looking it up in sys.modules keeps the threaded path from importing it (~0.3 s).
+        dist = sys.modules.get("distributed") if report is None else None
+        if dist is not None:
+            with contextlib.suppress(ValueError):  # not on a worker
+                self.worker = dist.get_worker()
         self.last = time.monotonic()
         self.samples = 0
         self.bytes = 0
@@ -212,19 +229,28 @@ class _Progress:
     def tick(self, samples: int, nbytes: int, force: bool = False) -> None:
         self.samples += samples
         self.bytes += nbytes
+        if self.report is not None:
+            self.report.check()
         now = time.monotonic()
-        if self.worker is not None and (force or now - self.last > 0.5):
-            self.worker.log_event(PROGRESS_TOPIC, {"samples": self.samples, "bytes": self.bytes})
-            self.samples = self.bytes = 0
-            self.last = now
+        if not (force or now - self.last > 0.5):
+            return
+        counts = {"samples": self.samples, "bytes": self.bytes}
+        if self.report is not None:
+            self.report.event(counts)
+        elif self.worker is not None:
+            self.worker.log_event(PROGRESS_TOPIC, counts)
+        else:
+            return
+        self.samples = self.bytes = 0
+        self.last = now
 
 
-def run_group(task: GroupTask) -> GroupResult:
+def run_group(task: GroupTask, report: Reporter | None = None) -> GroupResult:
     writers = [_ShardWriter(task, r) for r in task.region_names]
     result = GroupResult(group=task.group)
     hashes = array("Q")
     seen: set[int] = set()
-    progress = _Progress()
+    progress = _Progress(report)
     try:
         for ref in task.sources:
             with open_source(ref, task.s3) as (stream, hashing):
@@ -274,9 +300,9 @@ def _as_value(fn: Callable[..., Any], *args: Any) -> Any:
         return TaskFailed(DataError("out of memory in a split task; a source declares a record or member too large to hold"))
 
 
-def run_group_task(task: GroupTask) -> GroupResult | TaskFailed:
+def run_group_task(task: GroupTask, report: Reporter | None = None) -> GroupResult | TaskFailed:
     """:func:`run_group` as the Dask task: errors come back as values."""
-    return _as_value(run_group, task)  # type: ignore[no-any-return]
+    return _as_value(run_group, task, report)  # type: ignore[no-any-return]
 
 
 def find_key_task(tasks: tuple[GroupTask, ...], h: int) -> tuple[str, list[str]] | TaskFailed:
