@@ -12,11 +12,16 @@ import json
 import math
 import os
 import random
+import signal
+import subprocess
+import sys
 import tarfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
-from guaranteekit import assert_one_line, geoshard, published
+from guaranteekit import GEOSHARD, assert_one_line, geoshard, published
 from splitkit import make_corpus, read_corpus, region_shards, tree_digest, write_plan
 
 from geoshard.formats import wds
@@ -126,21 +131,135 @@ def test_split_runs_on_threads_by_default_and_worker_processes_give_the_same_byt
     assert report.ok and report.checked == sum(len(rm.shards) for rm in regions.values()) > 10
 
 
-@pytest.mark.parametrize("kind", ["--threads", "--processes"])
-def test_bad_input_is_one_line_on_both_in_process_clusters(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize("kind", [(), ("--threads",), ("--processes",)], ids=["default", "threads", "processes"])
+def test_bad_input_is_one_line_on_threads_and_on_worker_processes(tmp_path: Path, kind: tuple[str, ...]) -> None:
     src = tmp_path / "src"
     make_corpus(src, samples=400, shard_samples=200)
     tars = sorted(src.glob("*.tar"))
     tars[1].write_bytes(tars[0].read_bytes())  # the same keys in two sources: found across groups
     (src / "z-cut.tar").write_bytes(tars[0].read_bytes()[:-3000])  # and a tar cut inside a member
     write_plan(tmp_path / "plan.toml", shard_bytes="64KB")
-    r = _cli_split(tmp_path, src, "out", kind)
+    r = _cli_split(tmp_path, src, "out", *kind)
     assert_one_line(r, 1, "z-cut.tar: truncated tar at byte")
     assert r.out == "" and published(tmp_path / "out") == []
+    assert not (tmp_path / "out" / ".geoshard-tmp").exists()  # no task wrote on after the failure
     (src / "z-cut.tar").unlink()
-    r = _cli_split(tmp_path, src, "out", kind)
+    r = _cli_split(tmp_path, src, "out", *kind)  # found by a second task (find_key) on the same scheduler
     assert_one_line(r, 1, "duplicate sample key", str(tars[0]), str(tars[1]))
     assert r.out == "" and published(tmp_path / "out") == []
+    assert not (tmp_path / "out" / ".geoshard-tmp").exists()
+
+
+# What `geoshard split` imports, reported by a fresh Python that runs the CLI's main in-process.
+_REPORT_MODULES = """
+import json, sys
+from geoshard.cli import main
+try:
+    main(sys.argv[2:])
+except SystemExit as e:
+    code = e.code
+watch = sys.argv[1].split(",")
+print(json.dumps({"exit": code, "loaded": [m for m in watch if m in sys.modules]}), file=sys.stderr)
+"""
+_HEAVY = ("distributed", "boto3", "botocore", "torch", "pandas", "tensorflow")
+_OTHER_COMMANDS = ("geoshard.cli_sync", "geoshard.cli_train", "geoshard.cli_report", "geoshard.wan.cli", "geoshard.sync.push")
+
+
+def _modules_after(tmp: Path, *args: object) -> tuple[dict, str]:  # type: ignore[type-arg]
+    watch = ",".join(("dask", "dask.threaded", *_HEAVY, *_OTHER_COMMANDS))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run(
+        [sys.executable, "-P", "-c", _REPORT_MODULES, watch, *(str(a) for a in args)],
+        capture_output=True,
+        text=True,
+        cwd=tmp,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    return json.loads(p.stderr.strip().splitlines()[-1]), p.stdout
+
+
+def test_the_default_split_runs_on_dasks_threaded_scheduler_without_importing_distributed(tmp_path: Path) -> None:
+    make_corpus(tmp_path / "src", samples=300, sample_bytes=20_000, shard_samples=100)
+    write_plan(tmp_path / "plan.toml", shard_bytes="1MB")
+    report, out = _modules_after(tmp_path, "split", tmp_path / "src", "--plan", tmp_path / "plan.toml", "--out", tmp_path / "out", "--json")
+    assert report["exit"] in (0, None), report
+    doc = json.loads(out)
+    assert doc["cluster"] == "threads" and doc["samples_in"] == 300 and doc["cluster_seconds"] < 1.0  # no cluster to start
+    assert {"dask", "dask.threaded"} <= set(report["loaded"])  # the tasks ran on Dask's scheduler...
+    assert not set(report["loaded"]) & {*_HEAVY, *_OTHER_COMMANDS}, report  # ...with none of these imported
+    regions, checked = verify_split(tmp_path / "out", "sha256")
+    assert checked.ok and sum(r.samples for r in regions.values()) == 300
+    # The same script does see distributed where the split uses it: the check can fail.
+    report, _ = _modules_after(
+        tmp_path, "split", tmp_path / "src", "--plan", tmp_path / "plan.toml", "--out", tmp_path / "p", "--processes"
+    )
+    assert report["exit"] in (0, None) and "distributed" in report["loaded"], report
+
+
+def test_help_lists_every_command_and_a_lazily_imported_one_names_its_variables(tmp_path: Path) -> None:
+    from geoshard.cli import LAZY_COMMANDS
+
+    r = geoshard("--help", cwd=tmp_path)
+    assert r.rc == 0, r.err
+    listed = {line.split()[0] for line in r.out.split("Commands:")[1].splitlines() if line.strip()}
+    assert listed == {"demo", "inspect", "split", "synth", "verify", *LAZY_COMMANDS}
+    r = geoshard("pull", "--help", cwd=tmp_path)
+    assert r.rc == 0 and "GEOSHARD_PULL_PLAN" in r.out and "GEOSHARD_PULL_REGION" in r.out, r.out
+    r = geoshard("wan", "check", "--help", cwd=tmp_path)
+    assert r.rc == 0 and "GEOSHARD_WAN_CHECK_" in r.out, r.out
+
+
+def test_progress_on_threads_counts_every_byte_once_from_the_task_threads_one_call_at_a_time(tmp_path: Path) -> None:
+    from geoshard.plan import load_plan
+    from geoshard.split import SplitSettings, run_split
+
+    sources = make_corpus(tmp_path / "src", samples=3000, sample_bytes=5_000, shard_samples=500)  # 6 sources, several groups
+    plan = write_plan(tmp_path / "plan.toml", shard_bytes="1MB")
+    events: list[tuple[str, dict[str, int]]] = []
+    busy, overlaps = threading.Lock(), []
+
+    def progress(event: dict[str, int]) -> None:
+        if not busy.acquire(blocking=False):
+            overlaps.append(event)  # another thread is inside the callback
+            return
+        try:
+            time.sleep(0.002)  # long enough for a concurrent call to find it busy
+            events.append((threading.current_thread().name, dict(event)))
+        finally:
+            busy.release()
+
+    result = run_split([str(tmp_path / "src")], load_plan(plan), SplitSettings(out=tmp_path / "out", workers=2), progress)
+    assert result.cluster == "threads" and overlaps == []
+    size = sum(p.stat().st_size for p in sources)
+    assert events[0] == ("MainThread", {"total_bytes": size})
+    assert sum(e.get("bytes", 0) for _, e in events) == size and sum(e.get("samples", 0) for _, e in events) == 3000
+    shards = sum(r.shards for r in result.manifest.regions.values())
+    assert sum(e.get("shards", 0) for _, e in events) == shards > 6
+    senders = {name for name, e in events if "samples" in e}
+    assert senders and all(n.startswith("geoshard-split") for n in senders), senders  # from the tasks, as they run
+    assert {name for name, e in events if "shards" in e} == {"MainThread"}
+
+
+def test_ctrl_c_stops_a_threaded_split_quickly_and_publishes_nothing(tmp_path: Path) -> None:
+    make_corpus(tmp_path / "src", samples=600, sample_bytes=100_000, shard_samples=100)  # 60 MB in 6 sources
+    write_plan(tmp_path / "plan.toml", shard_bytes="4MB")
+    out = tmp_path / "out"
+    argv = [GEOSHARD, "split", str(tmp_path / "src"), "--plan", str(tmp_path / "plan.toml"), "--out", str(out), "--workers", "1"]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while not list(out.glob(".geoshard-tmp/run-*/*/*.partial")):  # a task is writing shards
+        assert p.poll() is None and time.monotonic() < deadline, "the split ended before a task was seen"
+        time.sleep(0.005)
+    p.send_signal(signal.SIGINT)
+    t = time.monotonic()
+    stdout, stderr = p.communicate(timeout=60)
+    assert time.monotonic() - t < 15, "Ctrl-C took long to stop the split"
+    assert p.returncode == 1 and stderr.strip() == "Aborted!" and stdout == "", (p.returncode, stderr[-3000:])
+    assert published(out) == [] and not (out / ".geoshard-tmp").exists()  # every task stopped before the cleanup
+    r = _cli_split(tmp_path, tmp_path / "src", "out")  # the lock is free and a rerun publishes everything
+    assert r.rc == 0 and json.loads(r.out)["samples_in"] == 600, r.err[-3000:]
 
 
 def _slot_table_as_before(names: tuple[str, ...], weights: tuple[float, ...]) -> bytes:
