@@ -5,9 +5,9 @@ samples of 1 KB. For each, the median of ``--repeat`` runs of:
 
 - ``cp -r CORPUS COPY`` (the I/O baseline: one read and one write of every byte),
 - ``geoshard split CORPUS --plan PLAN --out OUT --json`` (3 regions, 2:1:1, 64 MB shards,
-  the default in-process Dask cluster: one worker with a thread per core, for local sources),
-  timed end to end as a user sees it, with the cluster start and the task time taken from its
-  JSON; with ``--processes`` also the same split on one worker process per core,
+  by default on Dask's threaded scheduler with a thread per core, for local sources), timed end
+  to end as a user sees it, with the cluster start and the task time taken from its JSON; with
+  ``--processes`` also the same split on an in-process cluster of one worker process per core,
 - webdataset 1.0.2's own reader over the first shards of the 1 KB corpus (a per-sample peer).
 
 It also measures hash throughput in the same run: the split hashes every source with xxh3-128
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -71,16 +72,20 @@ def warm(path: Path) -> None:
                 pass
 
 
-def timed(argv: list[str]) -> tuple[float, str]:
+def timed(argv: list[str]) -> tuple[float, str, float]:
+    """Wall seconds, stdout, and the CPU seconds (user + system) the command and its children used."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=1800).stdout
-    return time.perf_counter() - t, out
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, out, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def bench_cp(src: Path, scratch: Path) -> float:
     dst = scratch / "cp-copy"
     shutil.rmtree(dst, ignore_errors=True)
-    seconds, _ = timed(["cp", "-r", str(src), str(dst)])
+    seconds, _, _ = timed(["cp", "-r", str(src), str(dst)])
     shutil.rmtree(dst)
     return seconds
 
@@ -88,8 +93,11 @@ def bench_cp(src: Path, scratch: Path) -> float:
 def bench_split(src: Path, plan: Path, scratch: Path, *extra: str) -> tuple[float, dict[str, float]]:
     out = scratch / "split-out"
     shutil.rmtree(out, ignore_errors=True)
-    seconds, stdout = timed([GEOSHARD, "split", str(src), "--plan", str(plan), "--out", str(out), "--json", *extra])
+    seconds, stdout, cpu = timed([GEOSHARD, "split", str(src), "--plan", str(plan), "--out", str(out), "--json", *extra])
     doc = json.loads(stdout)
+    doc["cpu_seconds"] = cpu  # the whole command's, workers included
+    doc["seconds_wall"] = seconds
+    doc["groups"] = len({s["group"] for s in json.loads((out / "manifest.json").read_text())["sources"]})
     shutil.rmtree(out)
     return seconds, doc
 
@@ -118,15 +126,44 @@ def hash_rate(algorithm: str) -> float:
     return 512 * len(block) / (time.perf_counter() - t)
 
 
-def import_seconds(repeat: int = 3) -> float:
-    """Wall time of a Python that only imports what every split needs (the CLI and Dask) and exits:
-    the fixed cost no split can avoid on this machine, measured in the same run."""
-    times = []
+# What a split on each path imports: the CLI with its split command, progress bar and table, and
+# Dask's threaded scheduler (the default, local sources); and distributed as well (--processes,
+# --scheduler, s3:// sources).
+THREADED_IMPORTS = "import geoshard.cli, geoshard.cli_progress, geoshard.split.job, geoshard.split.threaded"
+CLUSTER_IMPORTS = "import geoshard.cli, geoshard.cli_progress, geoshard.split.job, geoshard.split.cluster"
+
+
+def import_seconds(statement: str = THREADED_IMPORTS, repeat: int = 3) -> tuple[float, float]:
+    """Wall and CPU seconds of a Python that only imports what a split needs and exits: the fixed
+    cost no split on that path can avoid on this machine, measured in the same run (medians)."""
+    walls, cpus = [], []
     for _ in range(repeat):
-        t = time.perf_counter()
-        subprocess.run([sys.executable, "-P", "-c", "import geoshard.cli, distributed"], check=True, timeout=120)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        wall, _, cpu = timed([sys.executable, "-P", "-c", statement])
+        walls.append(wall)
+        cpus.append(cpu)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def bare_python_seconds(repeat: int = 3) -> float:
+    """Wall time of ``python -P -c pass``: the interpreter's own start and exit."""
+    return import_seconds("pass", repeat)[0]
+
+
+def projection(cp_s: float, doc: dict, imports_cpu: float, cores: int) -> dict[str, float]:  # type: ignore[type-arg]
+    """A PROJECTION, not a measurement: the ratio to ``cp -r`` this run's split would reach on N
+    cores, N in (2, 4, 8, 16). What ran outside the tasks (Python, imports, listing, the routing
+    table, publishing: the wall time minus ``job_seconds``) stays as measured here; the tasks'
+    CPU (the command's CPU minus that of starting Python with the same imports; the driver's own
+    few CPU-ms stay in it) spreads over N cores but over no more cores than there are groups
+    (one task per group). ``cp -r`` is one process and stays as measured. It assumes the tasks
+    scale with cores (their reads, writes and hashes release the GIL; per-sample Python does
+    not) and that memory bandwidth and the disk keep up."""
+    serial = doc["seconds_wall"] - doc["job_seconds"]
+    task_cpu = max(doc["cpu_seconds"] - imports_cpu, 0.0)
+    out = {"serial_seconds": serial, "task_cpu_seconds": task_cpu}
+    for n in (2, 4, 8, 16):
+        out[f"ratio_on_{n}_cores"] = cp_s / (serial + task_cpu / min(n, doc["groups"]))
+    return out
 
 
 def profile_tasks(src: Path, plan: Path, groups: int) -> None:
@@ -168,6 +205,10 @@ def profile_tasks(src: Path, plan: Path, groups: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(12)
 
 
+def _median_run(walls: list[float], docs: list[dict]) -> dict:  # type: ignore[type-arg]
+    return sorted(zip(walls, docs, strict=True), key=lambda pair: pair[0])[len(walls) // 2][1]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=ROOT / "bench" / "_data")
@@ -190,10 +231,23 @@ def main() -> int:
     ]
     cores = len(os.sched_getaffinity(0))
     sha, fast = hash_rate("sha256"), hash_rate("xxh3_128")
-    imports = import_seconds()
-    results = {"cores": cores, "sha256_bytes_per_s": sha, "xxh3_128_bytes_per_s": fast, "import_seconds": imports, "corpora": {}}
+    bare, (imports, imports_cpu), (cluster_imports, _) = bare_python_seconds(), import_seconds(), import_seconds(CLUSTER_IMPORTS)
+    results = {
+        "cores": cores,
+        "sha256_bytes_per_s": sha,
+        "xxh3_128_bytes_per_s": fast,
+        "python_seconds": bare,
+        "import_seconds": imports,  # the default (threaded) path's imports, with Python's start and exit
+        "import_cpu_seconds": imports_cpu,
+        "cluster_import_seconds": cluster_imports,  # the same with distributed (--processes, --scheduler)
+        "loadavg_start": os.getloadavg()[0],
+        "corpora": {},
+    }
     print(f"{cores} cores; per core, 1 MiB updates: sha256 {sha / 1e9:.2f} GB/s, xxh3-128 {fast / 1e9:.2f} GB/s")
-    print(f"Python start, `import geoshard.cli, distributed`, exit: {imports:.2f} s")
+    print(
+        f"Python start and exit {bare:.2f} s; with the threaded split's imports {imports:.2f} s; "
+        f"with distributed's (--processes) {cluster_imports:.2f} s (load {os.getloadavg()[0]:.1f})"
+    )
     header = (
         f"{'corpus':8} {'samples':>8} {'MB':>7} | {'cp s':>6} {'cp MB/s':>8} | {'split s':>7} {'MB/s':>6} {'samples/s':>10} {'ratio':>6} | "
         f"{'cluster s':>9} {'tasks s':>7} {'task samples/s':>14}"
@@ -246,6 +300,11 @@ def main() -> int:
             # ... and with the fixed cost of starting Python with the CLI and Dask imported.
             "ratio_ceiling_with_imports": cp_s / ((1 / sha + 3 / fast) * size / cores + imports),
             "cluster_kind": docs[0].get("cluster", "processes"),  # where the default split's tasks ran
+            "groups": docs[0]["groups"],  # tasks: one per group
+            # The task CPU per GB (the command's CPU minus a bare start with the same imports), and
+            # what it projects on more cores, from the run with the median wall time.
+            "task_cpu_s_per_gb": statistics.median(max(d["cpu_seconds"] - imports_cpu, 0.0) for d in docs) / size * 1e9,
+            "projection": projection(cp_s, _median_run(splits, docs), imports_cpu, cores),
             # Python start, imports and exit: the wall time outside the split's own clock.
             "outside_seconds": statistics.median(w - d["seconds"] for w, d in zip(splits, docs, strict=True)),
             "runs": {
@@ -253,6 +312,7 @@ def main() -> int:
                 "split": splits,
                 "cluster": [d["cluster_seconds"] for d in docs],
                 "tasks": [d["job_seconds"] for d in docs],
+                "cpu": [d["cpu_seconds"] for d in docs],
             },
             "loadavg": [load_before, os.getloadavg()[0]],  # 1-minute load average before and after (other work on the machine)
         }
@@ -264,7 +324,12 @@ def main() -> int:
                 "split_cluster_seconds": statistics.median(d["cluster_seconds"] for d in pdocs),
                 "split_task_seconds": statistics.median(d["job_seconds"] for d in pdocs),
                 "task_ratio_to_cp": cp_s / statistics.median(d["job_seconds"] for d in pdocs),
-                "runs": {"split": psplits, "cluster": [d["cluster_seconds"] for d in pdocs], "tasks": [d["job_seconds"] for d in pdocs]},
+                "runs": {
+                    "split": psplits,
+                    "cluster": [d["cluster_seconds"] for d in pdocs],
+                    "tasks": [d["job_seconds"] for d in pdocs],
+                    "cpu": [d["cpu_seconds"] for d in pdocs],
+                },
             }
         if name == "1KB":
             wds_s, wds_n = bench_webdataset(src, shards=2)
@@ -288,6 +353,12 @@ def main() -> int:
             f"so the ratio to cp cannot exceed {row['ratio_ceiling_from_hashing']:.2f} here "
             f"({row['ratio_ceiling_sources_sha256']:.2f} when sources were hashed with sha256 too); "
             f"with Python and its imports ({imports:.2f} s) not above {row['ratio_ceiling_with_imports']:.2f}"
+        )
+        pj = row["projection"]
+        print(
+            f"{name}: tasks {row['task_cpu_s_per_gb']:.2f} CPU-s per GB in {row['groups']} groups; PROJECTED (not measured) ratio to cp "
+            + ", ".join(f"{pj[f'ratio_on_{n}_cores']:.2f} on {n} cores" for n in (2, 4, 8, 16))
+            + f" (outside the tasks {pj['serial_seconds']:.2f} s as measured; tasks {pj['task_cpu_seconds']:.2f} CPU-s over the cores)"
         )
         if "webdataset_samples_per_s" in row:
             print(
