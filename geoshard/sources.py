@@ -234,10 +234,7 @@ class HashingReader:
 
     def read(self, n: int = -1, /) -> bytes:
         data = self.raw.read(n)
-        view = memoryview(data)
-        for i in range(0, len(data), 1 << 20):  # cache-sized pieces hash ~15% faster than one 4 MB call
-            self.hasher.update(view[i : i + (1 << 20)])
-        self.size += len(data)
+        self._count(memoryview(data))
         return data
 
     def readinto(self, into: memoryview, /) -> int:
@@ -249,10 +246,13 @@ class HashingReader:
             into[:n] = data
         else:
             n = readinto(into) or 0
-        for i in range(0, n, 1 << 20):
-            self.hasher.update(into[i : min(i + (1 << 20), n)])
-        self.size += n
+        self._count(into[:n])
         return n
+
+    def _count(self, view: memoryview) -> None:
+        for i in range(0, len(view), 1 << 20):  # cache-sized pieces hash ~15% faster than one 4 MB call
+            self.hasher.update(view[i : i + (1 << 20)])
+        self.size += len(view)
 
     def hexdigest(self) -> str:
         return self.hasher.hexdigest()  # type: ignore[no-any-return]

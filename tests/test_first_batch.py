@@ -23,6 +23,7 @@ from geoshard.loaders.epoch import Layout, need_positions, rank_plan, windows
 from geoshard.loaders.fetchqueue import FetchQueue
 from geoshard.loaders.pieces import Piece, rank_order
 from geoshard.loaders.shard import Shard
+from guaranteekit import geoshard
 from servers import SeaweedS3
 from splitkit import make_corpus
 from synckit import cli, objects
@@ -147,8 +148,13 @@ def test_geoshard_verify_reports_a_bad_chunks_field_in_one_line(region: Path, tm
 def test_sync_carries_the_chunk_hashes_unchanged(region: Path, tmp_path: Path, aws: SeaweedS3) -> None:
     bucket = f"gs-sync-{time.time_ns() % 10**9}"
     aws.make_bucket(bucket)
-    r = cli("sync", region.parent, "--plan", _plan(tmp_path / "p.toml", aws, bucket))
-    assert r.exit_code == 0, r.output
+    r = geoshard("sync", region.parent, "--plan", _plan(tmp_path / "p.toml", aws, bucket), "--json", cwd=tmp_path, timeout=120)
+    assert r.rc == 0 and r.err == "", r.err[-3000:]
+    shards = len(json.loads((region / MANIFEST).read_bytes())["shards"])
+    report = json.loads(r.out)
+    assert report["ok"] and list(report["regions"]) == [EU], r.out
+    done = report["regions"][EU]
+    assert done["published"] and done["failed"] == 0 and done["uploaded"] == shards, (shards, done)
     got = objects(aws, bucket)["train/manifest.json"]
     assert got == (region / MANIFEST).read_bytes() and b'"chunks"' in got
 

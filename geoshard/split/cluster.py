@@ -16,9 +16,7 @@ from typing import Any
 from distributed import Client, LocalCluster, as_completed
 
 from geoshard.errors import ConfigError
-from geoshard.split.task import PROGRESS_TOPIC, GroupResult, GroupTask, TaskFailed, run_group_task
-
-ProgressFn = Callable[[dict[str, int]], None]
+from geoshard.split.task import PROGRESS_TOPIC, GroupResult, GroupTask, ProgressFn, TaskFailed, run_group_task
 
 
 class ClusterRunner:

@@ -41,10 +41,9 @@ from geoshard.routing import RouteSpec
 from geoshard.sources import S3Access, SourceRef, expand_sources, hash_source
 from geoshard.split.groups import make_groups
 from geoshard.split.publish import KEYS, TMP, manifest_sha, publish
-from geoshard.split.task import GroupResult, GroupTask, TaskFailed, find_key_task
+from geoshard.split.task import GroupResult, GroupTask, ProgressFn, TaskFailed, find_key_task
 
 log = logging.getLogger(__name__)
-ProgressFn = Callable[[dict[str, int]], None]
 
 
 @dataclass(frozen=True)
@@ -146,7 +145,8 @@ def _run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, prog
             ]
             if progress is not None:  # the bar's total, before the cluster starts
                 progress({"total_bytes": sum(ref.size for t in tasks for ref in t.sources)})
-            results, timing = _run_tasks(tasks, settings, progress, _kept_keys(out, kept))
+            kind = cluster_kind(settings, any(ref.url.startswith("s3://") for _, g in work for ref in g))
+            results, timing = _run_tasks(tasks, settings, kind, progress, _kept_keys(out, kept))
             manifest, regions = _manifests(plan, fmt, results, previous, settings, _kept_entries(out, previous, kept))
             publish(out, tmpdir, manifest, regions, {r.group: r.key_hashes for r in results})
         except BaseException:
@@ -160,7 +160,7 @@ def _run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, prog
         seconds=time.monotonic() - t0,
         cluster_seconds=timing[0],
         job_seconds=timing[1],
-        cluster=cluster_kind(settings, any(ref.url.startswith("s3://") for _, g in work for ref in g)),
+        cluster=kind,
         groups_run=tuple(gid for gid, _ in work),
         truncated=tuple(t for r in results for t in r.truncated),
     )
@@ -207,12 +207,11 @@ def _check_out(out: Path, plan: Plan, replace: bool) -> Manifest | None:
 
 
 def _run_tasks(
-    tasks: list[GroupTask], settings: SplitSettings, progress: ProgressFn | None, kept: list[KeptGroup]
+    tasks: list[GroupTask], settings: SplitSettings, kind: str, progress: ProgressFn | None, kept: list[KeptGroup]
 ) -> tuple[list[GroupResult], tuple[float, float]]:
     results: list[GroupResult] = []
-    remote = any(ref.url.startswith("s3://") for t in tasks for ref in t.sources)
     progress = _serialized(progress) if progress is not None else None
-    start = _runner(settings, remote)  # imports dask or distributed: not part of the cluster's start
+    start = _runner(settings, kind)  # imports dask or distributed: not part of the cluster's start
     t0 = time.monotonic()
     with start(progress) as runner:
         t1 = time.monotonic()
@@ -228,9 +227,9 @@ def _run_tasks(
     return sorted(results, key=lambda r: r.group), (t1 - t0, t2 - t1)
 
 
-def _runner(settings: SplitSettings, remote: bool) -> Callable[[ProgressFn | None], AbstractContextManager[Runner]]:
+def _runner(settings: SplitSettings, kind: str) -> Callable[[ProgressFn | None], AbstractContextManager[Runner]]:
     """Dask's threaded scheduler in this process, else a ``distributed`` cluster (imported only then)."""
-    if cluster_kind(settings, remote) == "threads":
+    if kind == "threads":
         from geoshard.split.threaded import threaded_runner
 
         return functools.partial(threaded_runner, settings.workers)

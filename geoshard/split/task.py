@@ -28,6 +28,7 @@ from geoshard.sources import HashingReader, S3Access, SourceRef, open_source
 
 log = logging.getLogger(__name__)
 PROGRESS_TOPIC = "geoshard-split-progress"
+ProgressFn = Callable[[dict[str, int]], None]  # the driver's progress callback: counts of what was done
 _FLUSH = 1 << 20
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
 # A shard's chunks (each with its xxh3-128 in the manifest) end at the first sample boundary past

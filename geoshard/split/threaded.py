@@ -20,9 +20,7 @@ from typing import Any
 
 import dask.threaded
 
-from geoshard.split.task import GroupResult, GroupTask, TaskFailed, run_group_task
-
-ProgressFn = Callable[[dict[str, int]], None]
+from geoshard.split.task import GroupResult, GroupTask, ProgressFn, TaskFailed, run_group_task
 
 
 class Abandoned(Exception):
