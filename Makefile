@@ -10,9 +10,10 @@ PIP_FLAGS ?= -q --disable-pip-version-check
 $(BIN)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install $(PIP_FLAGS) --upgrade pip
-	# pyproject asks for ranges; constraints.txt pins what we test (torch: the CPU build). Strict
-	# editable mode keeps loaders/ and trainer/ namespaced.
-	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt --config-settings editable_mode=strict -e '.[test]'
+	# pyproject asks for ranges; constraints.txt pins what we test (torch: the CPU build). The
+	# editable install maps geoshard.loaders to loaders/ and geoshard.trainer to trainer/ with an
+	# import finder, so a new file in any of the three folders imports at once, with no reinstall.
+	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt -e '.[test]'
 	touch $@
 
 # TensorFlow interop runs in its own venv: tensorflow-io 0.37 pins numpy<2 and TF 2.16.
@@ -41,7 +42,7 @@ pytest: $(BIN)/.installed $(TFVENV)/.installed prometheus
 test: lint typecheck pytest
 
 $(BIN)/.bench-installed: $(BIN)/.installed
-	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt --config-settings editable_mode=strict -e '.[test,bench]'
+	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt -e '.[test,bench]'
 	$(BIN)/python -m pip check
 	touch $@
 

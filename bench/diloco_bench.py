@@ -75,6 +75,7 @@ def eval_loss(plan: Path, checkpoint: Path, hidden: int, samples: int) -> float:
     """Cross-entropy of the final model on the first ``samples`` samples of each region (fixed)."""
     import torch
     import torch.nn.functional as F
+
     from geoshard.loaders import RegionalDataset
     from geoshard.trainer.checkpoint import CheckpointStore
     from geoshard.trainer.model import Net, collate, to_tensors
@@ -204,7 +205,6 @@ def main() -> int:
         p.error("--steps must be a multiple of every --outer-steps (the final model is then the outer one)")
 
     from geoshard.trainer.launch import RegionNet
-
     from geoshard.wan import Rehearsal, load_matrix, netns
 
     matrix = load_matrix(args.matrix)

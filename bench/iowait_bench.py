@@ -49,10 +49,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the SeaweedFS launcher the test suite uses
 sys.path.insert(0, str(ROOT / "bench"))
-from geoshard.loaders.epoch import Layout, rank_plan  # noqa: E402
 from netproxy import NetProxy  # noqa: E402
 from servers import SeaweedS3, free_ports  # noqa: E402
 
+from geoshard.loaders.epoch import Layout, rank_plan  # noqa: E402
 from geoshard.split.task import CHUNK_BYTES  # noqa: E402
 
 GEOSHARD = str(Path(sys.executable).with_name("geoshard"))

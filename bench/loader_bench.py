@@ -497,7 +497,7 @@ def report_steady(name: str, rows: dict[str, dict[str, Any]]) -> None:
 
 # -- the report ------------------------------------------------------------------------------------
 def hash_rates() -> dict[str, float]:
-    from geoshard import hashing
+    from geoshard.util import hashing
 
     block = os.urandom(1 << 20)
     out = {}

@@ -116,7 +116,7 @@ def bench_webdataset(src: Path, shards: int) -> tuple[float, int]:
 
 
 def hash_rate(algorithm: str) -> float:
-    from geoshard import hashing
+    from geoshard.util import hashing
 
     block = os.urandom(1 << 20)
     h = hashing.new(algorithm)
@@ -129,8 +129,8 @@ def hash_rate(algorithm: str) -> float:
 # What a split on each path imports: the CLI with its split command, progress bar and table, and
 # Dask's threaded scheduler (the default, local sources); and distributed as well (--processes,
 # --scheduler, s3:// sources).
-THREADED_IMPORTS = "import geoshard.cli, geoshard.cli_progress, geoshard.split.job, geoshard.split.threaded"
-CLUSTER_IMPORTS = "import geoshard.cli, geoshard.cli_progress, geoshard.split.job, geoshard.split.cluster"
+THREADED_IMPORTS = "import geoshard.cli, geoshard.cli.progress, geoshard.split.job, geoshard.split.threaded"
+CLUSTER_IMPORTS = "import geoshard.cli, geoshard.cli.progress, geoshard.split.job, geoshard.split.cluster"
 
 
 def import_seconds(statement: str = THREADED_IMPORTS, repeat: int = 3) -> tuple[float, float]:
@@ -174,9 +174,9 @@ def profile_tasks(src: Path, plan: Path, groups: int) -> None:
     import tempfile
 
     from geoshard.plan import load_plan
-    from geoshard.routing import RouteSpec
-    from geoshard.sources import S3Access, expand_sources
+    from geoshard.plan.routing import RouteSpec
     from geoshard.split.groups import make_groups
+    from geoshard.split.sources import S3Access, expand_sources
     from geoshard.split.task import GroupTask, run_group
 
     p = load_plan(plan)

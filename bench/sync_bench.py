@@ -34,8 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the SeaweedFS launcher the test suite uses
 from servers import SeaweedS3  # noqa: E402
 
-from geoshard.manifest import Manifest, RegionManifest, RegionSummary, ShardEntry, write_atomic  # noqa: E402
+from geoshard.manifest import Manifest, RegionManifest, RegionSummary, ShardEntry  # noqa: E402
 from geoshard.sync.s5cmd import resolve_binary  # noqa: E402
+from geoshard.util.fsutil import write_atomic  # noqa: E402
 
 GEOSHARD = str(Path(sys.executable).with_name("geoshard"))
 REGION = "us-east-1"

@@ -162,10 +162,11 @@ def _region_net(wan: Rehearsal) -> Any:
 
 
 def _one_run(spec: dict[str, Any], wan: Rehearsal, endpoints: dict[str, str], env: dict[str, str], work: Path, args: Any) -> dict:
+    from multiregion_bench import READS_FROM, WEIGHTS, bucket_plan
+
     from geoshard.trainer.config import TrainConfig, parse_regions
     from geoshard.trainer.launch import launch_regions
     from geoshard.trainer.report import build_report
-    from multiregion_bench import READS_FROM, WEIGHTS, bucket_plan
 
     name = f"{spec['data']}-{spec['sync']}-accum{spec['accum']}" + ("-fp16" if spec["fp16"] else "")
     reads = {r: READS_FROM[r] if spec["data"] == "remote" else r for r in WEIGHTS}

@@ -47,6 +47,11 @@ _PERMANENT = {
 }
 
 
+# Each S3 request's bound: connect and read (seconds of silence), two tries. An endpoint that
+# accepts connections and never answers fails a call in 2 x this, not in minutes. GEOSHARD_TIMEOUT.
+REQUEST_TIMEOUT_S = 10.0
+
+
 @dataclass(frozen=True)
 class Timeouts:
     """Bounds on every request of one client. ``attempts`` are botocore's own tries per call:
@@ -125,3 +130,8 @@ def classify(e: BaseException) -> Failure:
     if isinstance(e, ProfileNotFound):
         return Failure("permanent", "ProfileNotFound", "the AWS profile named in the plan does not exist", False)
     return Failure("transient", type(e).__name__, answered=False)  # timeouts, refused or lost connections
+
+
+def s3_client(endpoint: str | None, profile: str | None, region: str | None = None, timeout_s: float = REQUEST_TIMEOUT_S) -> Any:
+    # A pool as wide as the parallel listings and checks sync issues on long links.
+    return client(endpoint, profile, region, Timeouts(connect_s=min(timeout_s, 5.0), read_s=timeout_s, attempts=2, pool=32))

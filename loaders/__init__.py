@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from geoshard.loaders.dataset import RegionalDataset
     from geoshard.loaders.decode import Label, Raw, TensorSpec
     from geoshard.loaders.loader import RegionalLoader, Timed, make_loader, timed
-
     from geoshard.manifest import RegionManifest, ShardEntry, read_region_manifest
     from geoshard.plan import Plan, load_plan
 

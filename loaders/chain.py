@@ -19,16 +19,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from geoshard.errors import ConfigError, DataError, StorageError
 from geoshard.loaders.local_tier import LocalTier
 from geoshard.loaders.stats import LoaderStats
 from geoshard.loaders.tier import Tier, TierError, TierMissing, WritableTier, make_tier
-
-from geoshard.errors import ConfigError, DataError, StorageError
-from geoshard.hashing import verify_digest, xxh3_128
 from geoshard.manifest import MANIFEST, RegionManifest, ShardEntry, parse_region_manifest
-from geoshard.paths import check_shard_path
 from geoshard.plan import Plan
-from geoshard.retry import Backoff
+from geoshard.util.hashing import verify_digest, xxh3_128
+from geoshard.util.paths import check_shard_path
+from geoshard.util.retry import Backoff
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

@@ -23,6 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from torch.utils.data import IterableDataset, get_worker_info
+
+from geoshard.env import Environment, read_environment
+from geoshard.errors import ConfigError, GeoshardError
 from geoshard.loaders.balance import Balance, balance
 from geoshard.loaders.chain import ChainSettings, TierChain, build_chain
 from geoshard.loaders.decode import DecodeSpec, apply, collate, make_decoder, pack, tensor_spec
@@ -33,10 +37,6 @@ from geoshard.loaders.prefetch import Prefetcher
 from geoshard.loaders.shard import Shard
 from geoshard.loaders.stats import LoaderStats
 from geoshard.loaders.topology import RegionShare, Topology
-from torch.utils.data import IterableDataset, get_worker_info
-
-from geoshard.env import Environment, read_environment
-from geoshard.errors import ConfigError, GeoshardError
 from geoshard.manifest import RegionManifest
 from geoshard.plan import Plan, load_plan
 

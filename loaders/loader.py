@@ -19,14 +19,14 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from torch.utils.data import DataLoader
+
+from geoshard.errors import ConfigError
 from geoshard.loaders.chain import ChainSettings
 from geoshard.loaders.dataset import EpochStart, RegionalDataset, WorkerFailure
 from geoshard.loaders.decode import PackedBatch, unpack
 from geoshard.loaders.slots import SlotPool
 from geoshard.loaders.stats import merge_snapshots
-from torch.utils.data import DataLoader
-
-from geoshard.errors import ConfigError
 from geoshard.plan import Plan
 
 

@@ -17,11 +17,10 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
-from geoshard.loaders.tier import TierError, TierMissing
-
 from geoshard.errors import ConfigError
-from geoshard.manifest import temp_file
-from geoshard.paths import is_shard_name, plain_relative
+from geoshard.loaders.tier import TierError, TierMissing
+from geoshard.util.fsutil import temp_file
+from geoshard.util.paths import is_shard_name, plain_relative
 
 log = logging.getLogger(__name__)
 # Address space of shard mappings a process keeps for their next fetch (file pages: the page cache's,

@@ -6,10 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from geoshard.loaders.tier import TierError, TierMissing
-
 from geoshard import s3
-from geoshard.endpoints import display_endpoint
+from geoshard.loaders.tier import TierError, TierMissing
+from geoshard.util.endpoints import display_endpoint
 
 _PIECE = 256 << 10
 

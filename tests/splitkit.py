@@ -8,8 +8,8 @@ from collections import Counter
 from pathlib import Path
 
 from geoshard.formats import tfrecord, wds
+from geoshard.local.synth import SynthSpec, synth
 from geoshard.manifest import read_manifest, read_region_manifest
-from geoshard.synth import SynthSpec, synth
 
 REGIONS = ("us-east-1", "eu-west-1", "ap-southeast-1")
 

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 from alluxio_standin import AlluxioWorkerStandIn
+from servers import SeaweedS3
+
 from geoshard.loaders.chain import AllTiersFailed, ChainSettings, TierChain
 from geoshard.loaders.local_tier import LocalTier
 from geoshard.loaders.tier import make_tier
-from servers import SeaweedS3
-
 from geoshard.manifest import ShardEntry
-from geoshard.retry import Backoff
+from geoshard.util.retry import Backoff
 
 FAST = ChainSettings(timeouts=(("alluxio", 0.3), ("s3", 5.0)), backoff=Backoff(attempts=2, base=0.01, jitter=0), cooldown_s=60)
 
@@ -152,7 +152,6 @@ def test_all_tiers_down_is_one_clear_error_in_bounded_time(rig: Rig) -> None:
 def test_chain_built_from_the_plan_with_alluxios_s3_proxy(tmp_path: Path, aws: SeaweedS3) -> None:
     """``alluxio = "s3+http://..."``: Alluxio's S3-compatible proxy, here played by SeaweedFS itself."""
     from geoshard.loaders.chain import build_chain
-
     from geoshard.plan import parse_plan
 
     data = _shards(2)

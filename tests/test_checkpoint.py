@@ -16,12 +16,12 @@ from typing import Any
 import click
 import pytest
 import torch
-from geoshard.trainer import checkpoint
-from geoshard.trainer.checkpoint import CheckpointStore
 from servers import SeaweedS3, free_ports
 
 from geoshard.errors import ConfigError, DataError, StorageError
-from geoshard.retry import Backoff
+from geoshard.trainer import checkpoint
+from geoshard.trainer.checkpoint import CheckpointStore
+from geoshard.util.retry import Backoff
 
 FAST = Backoff(attempts=3, base=0.1, jitter=0)
 
@@ -291,6 +291,7 @@ def test_s3_unreachable_endpoint_retries_then_names_it(aws: SeaweedS3, caplog: p
 def test_the_trainer_hands_the_checkpoint_buckets_region_to_its_store(tmp_path: Path) -> None:
     """Ranks in eu-west-1 writing checkpoints to a us-east-1 bucket sign for us-east-1, not for their own AWS_REGION."""
     from click.testing import CliRunner
+
     from geoshard.trainer.config import TrainConfig
     from geoshard.trainer.options import config_from, train_options
 

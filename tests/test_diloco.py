@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 import torch
-from geoshard.trainer.diloco import DiLoCo, OuterSync, OuterSyncError, RoundRecord, connect_store, decode, encode, host_store
 from torch import nn
 
 from geoshard.errors import ConfigError
+from geoshard.trainer.diloco import DiLoCo, OuterSync, OuterSyncError, RoundRecord, connect_store, decode, encode, host_store
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "jobs" / "diloco_region.py"

@@ -18,17 +18,17 @@ from typing import Any
 import numpy as np
 import pytest
 import xxhash
-from geoshard.loaders import AllTiersFailed, ChainSettings, RegionalDataset, make_loader
-from geoshard.loaders.epoch import Layout, need_positions, rank_plan, windows
-from geoshard.loaders.fetchqueue import FetchQueue
-from geoshard.loaders.pieces import Piece, rank_order
-from geoshard.loaders.shard import Shard
 from guaranteekit import geoshard
 from servers import SeaweedS3
 from splitkit import make_corpus
 from synckit import cli, objects
 
 from geoshard.errors import DataError
+from geoshard.loaders import AllTiersFailed, ChainSettings, RegionalDataset, make_loader
+from geoshard.loaders.epoch import Layout, need_positions, rank_plan, windows
+from geoshard.loaders.fetchqueue import FetchQueue
+from geoshard.loaders.pieces import Piece, rank_order
+from geoshard.loaders.shard import Shard
 from geoshard.manifest import MANIFEST, parse_region_manifest, read_region_manifest
 from geoshard.split.task import CHUNK_BYTES
 

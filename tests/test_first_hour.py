@@ -262,12 +262,11 @@ def test_readme_install_section_and_code_fences() -> None:
 
 
 def test_every_s3_client_carries_the_buckets_region_and_bounded_timeouts(s3: SeaweedS3) -> None:
-    from geoshard.loaders.s3_tier import S3Tier
-    from geoshard.trainer.checkpoint import CheckpointStore
-
     from geoshard import s3 as s3lib
+    from geoshard.loaders.s3_tier import S3Tier
     from geoshard.plan import Region
     from geoshard.sync.remote import Bucket, BucketTarget
+    from geoshard.trainer.checkpoint import CheckpointStore
 
     region = Region("ap-southeast-2", 1, bucket="s3://b/p", endpoint=s3.endpoint)
     clients = {
@@ -289,14 +288,13 @@ def test_one_classification_for_a_missing_key_and_a_missing_bucket(aws: SeaweedS
     checkpoints and sync: a missing key is a miss; a missing bucket is an error that says what
     to change, never a silent miss (the S3 tier used to take it for one)."""
     s3 = aws
+    from geoshard.errors import StorageError
     from geoshard.loaders.s3_tier import S3Tier
     from geoshard.loaders.tier import TierError, TierMissing
-    from geoshard.trainer.checkpoint import CheckpointStore
-
-    from geoshard.errors import StorageError
     from geoshard.plan import Region
-    from geoshard.retry import Backoff
     from geoshard.sync.remote import Bucket, BucketTarget, MissingBucket
+    from geoshard.trainer.checkpoint import CheckpointStore
+    from geoshard.util.retry import Backoff
 
     bucket = s3.make_bucket("gs-classify")[5:]
     tier = S3Tier(bucket, "p", endpoint=s3.endpoint, region="eu-west-1")
@@ -405,10 +403,9 @@ def test_a_dead_alluxio_warns_once_per_tier_and_the_stats_count_every_failure(tm
     from geoshard.loaders.chain import ChainSettings, TierChain
     from geoshard.loaders.local_tier import LocalTier
     from geoshard.loaders.tier import make_tier
-
+    from geoshard.local.seaweed import free_ports
     from geoshard.manifest import ShardEntry
-    from geoshard.retry import Backoff
-    from geoshard.seaweed import free_ports
+    from geoshard.util.retry import Backoff
 
     (port,) = free_ports(1)  # nothing listens there, as in the demo
     data = {f"00000-{i:04d}-x.tar": os.urandom(1000 + i) for i in range(6)}
@@ -558,8 +555,8 @@ def _on_a_terminal(*args: object, cwd: Path) -> str:
 
 def test_split_progress_has_a_total_and_counts_during_a_task(tmp_path: Path) -> None:
     from geoshard.plan import load_plan
-    from geoshard.sources import S3Access
     from geoshard.split import SplitSettings, run_split
+    from geoshard.split.sources import S3Access
 
     make_corpus(tmp_path / "corpus", samples=16000, sample_bytes=1000, shard_samples=8000)
     plan = write_plan(tmp_path / "plan.toml", shard_bytes="4MB")
@@ -667,7 +664,6 @@ def test_cross_region_reads_are_opt_in_and_stop_at_the_budget(aws: SeaweedS3, tm
     import hashlib
 
     from geoshard.loaders.chain import EgressBudgetExceeded, build_chain
-
     from geoshard.manifest import ShardEntry
     from geoshard.plan import parse_plan
 
@@ -746,7 +742,7 @@ def test_grafana_dashboard_queries_against_prometheus_scraping_a_training_run(co
     import time
     import urllib.error
 
-    from geoshard.seaweed import free_ports
+    from geoshard.local.seaweed import free_ports
 
     binary = shutil.which("prometheus") or pytest.fail("prometheus is not installed; make test installs it (apt-get install prometheus)")
     metrics, web = free_ports(2)

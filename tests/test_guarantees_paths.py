@@ -15,7 +15,7 @@ from synckit import sync_plan
 
 from geoshard.errors import ConfigError
 from geoshard.manifest import RegionManifest, ShardEntry
-from geoshard.paths import check_shard_path, is_shard_name
+from geoshard.util.paths import check_shard_path, is_shard_name
 
 EU = "eu-west-1"
 GOOD = "00000-0000-0123456789ab.tar"

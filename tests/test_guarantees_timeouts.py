@@ -12,15 +12,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from geoshard.loaders.chain import ChainSettings, build_chain
 from guaranteekit import BlackHole, geoshard, snapshot
 from servers import SeaweedS3
 from splitkit import REGIONS, make_corpus
 from synckit import make_split, sync_plan
 
+from geoshard.loaders.chain import ChainSettings, build_chain
 from geoshard.manifest import read_region_manifest
 from geoshard.plan import load_plan
-from geoshard.retry import Backoff
+from geoshard.util.retry import Backoff
 
 EU = "eu-west-1"
 T = 2.0  # GEOSHARD_TIMEOUT in these tests

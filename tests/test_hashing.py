@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from geoshard.loaders.chain import AllTiersFailed, ChainSettings, TierChain
-from geoshard.loaders.local_tier import LocalTier
 from splitkit import make_corpus, write_plan
 
-from geoshard import hashing
 from geoshard.errors import ConfigError, DataError
+from geoshard.loaders.chain import AllTiersFailed, ChainSettings, TierChain
+from geoshard.loaders.local_tier import LocalTier
 from geoshard.manifest import RegionManifest, ShardEntry, parse_region_manifest, read_region_manifest
 from geoshard.sync.verify_local import check_local
+from geoshard.util import hashing
 
 GEOSHARD = str(Path(sys.executable).with_name("geoshard"))
 

@@ -13,9 +13,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from geoshard.loaders import AllTiersFailed, ChainSettings, RegionalDataset, make_loader, timed
-from geoshard.loaders.epoch import Layout, rank_plan
-from geoshard.loaders.prefetch import Prefetcher
 from servers import SeaweedS3, closed_port
 from splitkit import REGIONS, make_corpus
 from synckit import cli
@@ -23,8 +20,11 @@ from synckit import cli
 from geoshard.errors import ConfigError
 from geoshard.formats import tfrecord, wds
 from geoshard.formats.example import parse_example
+from geoshard.loaders import AllTiersFailed, ChainSettings, RegionalDataset, make_loader, timed
+from geoshard.loaders.epoch import Layout, rank_plan
+from geoshard.loaders.prefetch import Prefetcher
 from geoshard.manifest import read_region_manifest
-from geoshard.retry import Backoff
+from geoshard.util.retry import Backoff
 
 EU = "eu-west-1"
 

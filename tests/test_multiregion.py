@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from geoshard.loaders import RegionalDataset
-from geoshard.loaders.balance import balance
-from geoshard.loaders.topology import Topology
 from killkit import run_and_kill
 from servers import SeaweedS3
 from splitkit import make_corpus
 from synckit import cli
 from test_loaders import region_samples
 
+from geoshard.loaders import RegionalDataset
+from geoshard.loaders.balance import balance
+from geoshard.loaders.topology import Topology
 from geoshard.manifest import read_region_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -350,9 +350,8 @@ def test_geoshard_train_under_the_wan_rehearsal_keeps_data_in_region_and_pays_th
 
 
 def test_persistent_workers_are_refused_because_each_epoch_starts_its_own_workers(tmp_path: Path) -> None:
-    from geoshard.loaders import RegionalLoader
-
     from geoshard.errors import ConfigError
+    from geoshard.loaders import RegionalLoader
 
     plan = two_region_plan(tmp_path, samples=600)
     ds = RegionalDataset(plan, region=EU, batch_size=8)

@@ -33,7 +33,7 @@ from click.testing import CliRunner
 from geoshard.cli import main
 from geoshard.formats.example import parse_example
 from geoshard.plan import parse_plan
-from geoshard.routing import RouteSpec, key_hash
+from geoshard.plan.routing import RouteSpec, key_hash
 
 PEERS = Path(__file__).parent / "peers"
 TF_SCRIPT = PEERS / "tf_tfrecord.py"

@@ -17,7 +17,7 @@ from synckit import cli, objects, remote_manifest, sync_plan
 
 from geoshard.formats import wds
 from geoshard.manifest import read_region_manifest
-from geoshard.sync.refresh import LOCK, refresh_lock
+from geoshard.refresh import LOCK, refresh_lock
 
 
 def _source(path: Path, prefix: str, n: int, size: int = 300) -> None:

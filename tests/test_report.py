@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
+
+from geoshard.cli import main
+from geoshard.cli.report import duration, render_report, report
+from geoshard.errors import ConfigError, DataError
 from geoshard.trainer.metrics import Metrics
 from geoshard.trainer.plot import plot_steps
 from geoshard.trainer.record import StepRecord
 from geoshard.trainer.report import build_report, write_report
-
-from geoshard.cli import main
-from geoshard.cli_report import duration, render_report, report
-from geoshard.errors import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

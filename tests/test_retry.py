@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from geoshard.retry import Backoff, retry
+from geoshard.util.retry import Backoff, retry
 
 
 def test_delays_grow_exponentially_up_to_the_cap_with_jitter() -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from geoshard.loaders.shard import Shard
 
 from geoshard.errors import DataError
 from geoshard.formats import wds
+from geoshard.loaders.shard import Shard
 
 
 def compact(samples: list[list[tuple[bytes, bytes]]]) -> bytes:

@@ -14,9 +14,9 @@ from splitkit import REGIONS, make_corpus, read_corpus, region_keys, region_shar
 from geoshard.errors import ConfigError, DataError
 from geoshard.formats import example, tfrecord, wds
 from geoshard.manifest import read_manifest, read_region_manifest
+from geoshard.manifest.verify import verify_split
 from geoshard.plan import load_plan
 from geoshard.split import SplitSettings, run_split
-from geoshard.verify import verify_split
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +178,8 @@ def test_failed_split_publishes_nothing_and_keeps_previous(tmp_path: Path, sched
 
 def test_no_sample_passes_through_the_driver(tmp_path: Path, scheduler: str) -> None:
     """Workers return metadata only: a result's size does not grow with the bytes it split."""
-    from geoshard.routing import RouteSpec
-    from geoshard.sources import S3Access, expand_sources
+    from geoshard.plan.routing import RouteSpec
+    from geoshard.split.sources import S3Access, expand_sources
     from geoshard.split.task import GroupTask, run_group
 
     make_corpus(tmp_path / "c", samples=400, sample_bytes=20_000, shard_samples=400)

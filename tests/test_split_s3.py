@@ -21,8 +21,8 @@ from click.testing import CliRunner, Result
 from servers import SeaweedS3, closed_port
 
 from geoshard.cli import main
+from geoshard.local.synth import SynthSpec, synth
 from geoshard.manifest import MANIFEST
-from geoshard.synth import SynthSpec, synth
 
 PLAN_BUCKET = "corpus-a"  # named by a plan region, with the endpoint
 OTHER_BUCKET = "corpus-b"  # not in the plan: reached through --endpoint

@@ -26,8 +26,8 @@ from splitkit import make_corpus, read_corpus, region_shards, tree_digest, write
 
 from geoshard.formats import wds
 from geoshard.formats._window import ReusedWindow, Window
-from geoshard.routing import NSLOTS, slot_table
-from geoshard.verify import verify_split
+from geoshard.manifest.verify import verify_split
+from geoshard.plan.routing import NSLOTS, slot_table
 
 
 class _ReadOnly:
@@ -162,7 +162,7 @@ watch = sys.argv[1].split(",")
 print(json.dumps({"exit": code, "loaded": [m for m in watch if m in sys.modules]}), file=sys.stderr)
 """
 _HEAVY = ("distributed", "boto3", "botocore", "torch", "pandas", "tensorflow")
-_OTHER_COMMANDS = ("geoshard.cli_sync", "geoshard.cli_train", "geoshard.cli_report", "geoshard.wan.cli", "geoshard.sync.push")
+_OTHER_COMMANDS = ("geoshard.cli.sync", "geoshard.cli.train", "geoshard.cli.report", "geoshard.cli.wan", "geoshard.sync.push")
 
 
 def _modules_after(tmp: Path, *args: object) -> tuple[dict, str]:  # type: ignore[type-arg]
@@ -199,7 +199,7 @@ def test_the_default_split_runs_on_dasks_threaded_scheduler_without_importing_di
 
 
 def test_help_lists_every_command_and_a_lazily_imported_one_names_its_variables(tmp_path: Path) -> None:
-    from geoshard.cli import LAZY_COMMANDS
+    from geoshard.cli.app import LAZY_COMMANDS
 
     r = geoshard("--help", cwd=tmp_path)
     assert r.rc == 0, r.err

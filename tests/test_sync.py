@@ -265,10 +265,10 @@ def test_an_older_or_unrelated_split_does_not_replace_the_buckets_generation(tmp
 def test_a_failed_batch_is_retried_with_backoff(tmp_path: Path, aws: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch that fails as a whole (endpoint hiccup) is retried after the backoff's delay."""
     from geoshard.plan import load_plan
-    from geoshard.retry import Backoff
     from geoshard.sync import push
     from geoshard.sync.s5cmd import S5cmdError
     from geoshard.sync.transfer import Transferer
+    from geoshard.util.retry import Backoff
 
     class Hiccup(Transferer):  # the real s5cmd transfer, after one injected whole-batch failure
         calls = 0

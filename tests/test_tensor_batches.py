@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from geoshard.loaders.decode import Label, PackedBatch, Raw, TensorSpec, fill_batch, unpack
-from geoshard.loaders.slots import SlotPool
 
 from geoshard.errors import ConfigError, DataError
+from geoshard.loaders.decode import Label, PackedBatch, Raw, TensorSpec, fill_batch, unpack
+from geoshard.loaders.slots import SlotPool
 
 SPEC = TensorSpec({"img": Raw((4, 5)), "cls": Label(), "f": Raw((3,), "float32")})
 
@@ -241,8 +241,9 @@ def test_tensor_batches_resume_exactly_and_stream_epochs(plan: Any) -> None:
 
 
 def test_tensor_batches_without_workers_and_in_a_plain_dataloader(plan: Any) -> None:
-    from geoshard.loaders import RegionalDataset
     from torch.utils.data import DataLoader
+
+    from geoshard.loaders import RegionalDataset
 
     truth = _truth(plan)
     main = _loader(plan, num_workers=0)

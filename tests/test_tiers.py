@@ -9,9 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from servers import SeaweedS3
+
 from geoshard.loaders.local_tier import LocalTier
 from geoshard.loaders.tier import TIER_KINDS, Tier, TierMissing, make_tier, register_tier, tier_class
-from servers import SeaweedS3
 
 FILES = {"a.tar": os.urandom(3000), "sub/b.tar": os.urandom((1 << 20) + 7), "one.tar": b"x"}
 

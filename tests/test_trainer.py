@@ -30,18 +30,18 @@ import torch
 import torch.distributed as dist
 from alluxio_standin import AlluxioWorkerStandIn
 from click.testing import CliRunner
-from geoshard.loaders import RegionalDataset
-from geoshard.loaders.topology import Topology
-from geoshard.trainer.checkpoint import CheckpointStore
-from geoshard.trainer.comm import CommState, timed_allreduce_hook
-from geoshard.trainer.loop import forward_backward
-from geoshard.trainer.model import INPUT_BYTES, Net
 from servers import closed_port, free_ports
 from test_loaders import EU, region_samples, split
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from geoshard.cli import main
-from geoshard.synth import NUM_CLASSES
+from geoshard.loaders import RegionalDataset
+from geoshard.loaders.topology import Topology
+from geoshard.local.synth import NUM_CLASSES
+from geoshard.trainer.checkpoint import CheckpointStore
+from geoshard.trainer.comm import CommState, timed_allreduce_hook
+from geoshard.trainer.loop import forward_backward
+from geoshard.trainer.model import INPUT_BYTES, Net
 
 BATCH = 16
 CHANCE = math.log(NUM_CLASSES)  # cross-entropy of an untrained model: ln 10

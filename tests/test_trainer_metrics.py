@@ -9,10 +9,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from geoshard.trainer.config import TrainConfig
-from geoshard.trainer.loop import train
 from servers import free_ports
 from test_loaders import EU, split
+
+from geoshard.trainer.config import TrainConfig
+from geoshard.trainer.loop import train
 
 
 def _scrape(port: int) -> str | None:

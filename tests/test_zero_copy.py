@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from geoshard.loaders.shard import Shard
 
 from geoshard.formats import wds
+from geoshard.loaders.shard import Shard
 
 
 def _tar(n: int, size: int = 3000) -> bytes:
@@ -100,8 +100,8 @@ def test_a_view_outliving_its_shard_and_replica_file_keeps_its_bytes(tmp_path: P
 def _replica(tmp_path: Path, shards: int = 3) -> tuple[Path, list[Any]]:
     """A local replica of ``shards`` shards of 100 samples (5 KB images) and its plan."""
     from geoshard.formats.wds import TarWriter
-    from geoshard.hashing import sha256, xxh3_128
     from geoshard.manifest import RegionManifest, ShardEntry
+    from geoshard.util.hashing import sha256, xxh3_128
 
     replica = tmp_path / "eu-west-1"
     replica.mkdir()
@@ -134,7 +134,6 @@ def test_a_kept_mapping_serves_the_next_fetch_and_its_bytes_are_checked_every_ti
     import gc
 
     from geoshard.loaders.chain import AllTiersFailed, build_chain
-
     from geoshard.plan import load_plan
 
     plan, entries = _replica(tmp_path)

@@ -8,10 +8,10 @@ import sys
 from typing import Any
 
 import click
-from geoshard.trainer.exit import exit_rank
-from geoshard.trainer.options import config_from, train_options
 
 from geoshard.errors import GeoshardError
+from geoshard.trainer.exit import exit_rank
+from geoshard.trainer.options import config_from, train_options
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -34,10 +34,10 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from geoshard import s3
-from geoshard.endpoints import display_endpoint
 from geoshard.errors import ConfigError, DataError, StorageError
-from geoshard.manifest import write_atomic
-from geoshard.retry import Backoff, retry
+from geoshard.util.endpoints import display_endpoint
+from geoshard.util.fsutil import write_atomic
+from geoshard.util.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from geoshard.loaders.topology import Topology
 
 

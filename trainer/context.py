@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from geoshard.loaders.dataset import resolve_region
-from geoshard.loaders.topology import Topology
-from geoshard.trainer.config import RegionRanks
 
 from geoshard.env import read_environment
 from geoshard.errors import ConfigError
+from geoshard.loaders.dataset import resolve_region
+from geoshard.loaders.topology import Topology
+from geoshard.trainer.config import RegionRanks
 
 
 @dataclass(frozen=True)

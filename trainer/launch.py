@@ -28,10 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from geoshard.errors import ConfigError
 from geoshard.trainer.config import RegionRanks, TrainConfig
 from geoshard.trainer.failures import StderrRelay, clear_failures, logs_dir
-
-from geoshard.errors import ConfigError
 
 AGENT_TAG = "GEOSHARD_AGENT"  # marks a region's processes under --sync diloco (kill_tagged)
 STOP_GRACE_S = 10.0  # after one agent fails, how long the others get to stop before SIGKILL

@@ -22,7 +22,11 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from geoshard.errors import ConfigError, DataError
 from geoshard.loaders import RegionalLoader, make_loader
+from geoshard.plan import load_plan
 from geoshard.trainer.checkpoint import CheckpointStore
 from geoshard.trainer.comm import CommState, hierarchical_hook, resolve_sync, timed_allreduce_hook
 from geoshard.trainer.config import TrainConfig
@@ -31,10 +35,6 @@ from geoshard.trainer.metrics import Metrics
 from geoshard.trainer.model import Net, collate, count_collate, to_tensors
 from geoshard.trainer.outer import OuterLoop
 from geoshard.trainer.record import StepRecord
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-from geoshard.errors import ConfigError, DataError
-from geoshard.plan import load_plan
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 from geoshard.errors import ConfigError
 
 if TYPE_CHECKING:
-    from geoshard.trainer.record import StepRecord
     from prometheus_client import CollectorRegistry
+
+    from geoshard.trainer.record import StepRecord
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The demo model: an MLP that classifies the synthetic corpus's image bytes by their label.
 
 Each synthetic image is a class-dependent rotation of one pattern plus a small random shift
-(``geoshard.synth``), so the leading bytes identify the class and a small model learns it in a
+(``geoshard.local.synth``), so the leading bytes identify the class and a small model learns it in a
 few hundred steps on a CPU. ``collate`` runs in the DataLoader workers and returns numpy arrays:
 small arrays cross to the training process pickled inline, cheaper than torch's shared-memory
 hand-off of tensors (a file descriptor and an mmap per tensor); ``to_tensors`` finishes the job.
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from geoshard.synth import NUM_CLASSES
+from geoshard.local.synth import NUM_CLASSES
 
 INPUT_BYTES = 256
 

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
-from geoshard.trainer.config import BACKENDS, COMPRESSIONS, MODELS, NCCL_ALGOS, OUTER_COMPRESSIONS, SYNCS, TrainConfig
 
-from geoshard.units import parse_duration
+from geoshard.trainer.config import BACKENDS, COMPRESSIONS, MODELS, NCCL_ALGOS, OUTER_COMPRESSIONS, SYNCS, TrainConfig
+from geoshard.util.units import parse_duration
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from geoshard.trainer.config import TrainConfig, parse_host_port
-from geoshard.trainer.context import RankContext
-from geoshard.trainer.diloco import DiLoCo, OuterSync, RoundRecord, connect_store
 from torch import nn
 
 from geoshard.errors import ConfigError
+from geoshard.trainer.config import TrainConfig, parse_host_port
+from geoshard.trainer.context import RankContext
+from geoshard.trainer.diloco import DiLoCo, OuterSync, RoundRecord, connect_store
 
 log = logging.getLogger(__name__)
 

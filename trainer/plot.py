@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from geoshard.manifest import write_atomic
+from geoshard.util.fsutil import write_atomic
 
 MAX_BARS = 400  # per rank; longer runs are shown as means over groups of consecutive steps
 MAX_RANKS = 16  # more subplots are unreadable; the ranks waiting most are the interesting ones

@@ -7,11 +7,10 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from geoshard.trainer.config import TrainConfig
-
 from geoshard.env import read_environment
 from geoshard.errors import ConfigError
 from geoshard.plan import Plan, load_plan
+from geoshard.trainer.config import TrainConfig
 
 _RUN_FILE = re.compile(r"^(steps-rank\d+\.jsonl|rank\d+\.json|rounds-[a-z0-9-]+\.jsonl|report\.json)$")
 # What the built-in model reads from each sample (geoshard.trainer.model.collate).

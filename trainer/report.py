@@ -29,11 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from geoshard.errors import ConfigError, DataError
 from geoshard.trainer.outer_report import outer_section, utilization
 from geoshard.trainer.record import StepRecord
-
-from geoshard.errors import ConfigError, DataError
-from geoshard.manifest import write_atomic
+from geoshard.util.fsutil import write_atomic
 
 log = logging.getLogger(__name__)
 

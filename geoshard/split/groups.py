@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 
 from geoshard.plan import Plan
-from geoshard.sources import SourceRef
+from geoshard.split.sources import SourceRef
 
 MIN_GROUPS = 8  # enough tasks to keep a small cluster busy on a mid-sized corpus
 

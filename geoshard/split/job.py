@@ -25,7 +25,6 @@ from typing import Any, Protocol
 
 from geoshard.errors import ConfigError, DataError, LockedError, StorageError
 from geoshard.formats import Format
-from geoshard.hashing import FAST
 from geoshard.manifest import (
     MANIFEST,
     Manifest,
@@ -37,11 +36,12 @@ from geoshard.manifest import (
     read_region_manifest,
 )
 from geoshard.plan import Plan
-from geoshard.routing import RouteSpec
-from geoshard.sources import S3Access, SourceRef, expand_sources, hash_source
+from geoshard.plan.routing import RouteSpec
 from geoshard.split.groups import make_groups
 from geoshard.split.publish import KEYS, TMP, manifest_sha, publish
+from geoshard.split.sources import S3Access, SourceRef, expand_sources, hash_source
 from geoshard.split.task import GroupResult, GroupTask, ProgressFn, TaskFailed, find_key_task
+from geoshard.util.hashing import FAST
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from geoshard.errors import DataError
-from geoshard.manifest import MANIFEST, Manifest, RegionManifest, read_region_manifest, write_atomic
-from geoshard.paths import is_shard_name
+from geoshard.manifest import MANIFEST, Manifest, RegionManifest, read_region_manifest
+from geoshard.util.fsutil import write_atomic
+from geoshard.util.paths import is_shard_name
 
 log = logging.getLogger(__name__)
 TMP = ".geoshard-tmp"

@@ -21,10 +21,10 @@ from typing import Any, Protocol
 from geoshard.errors import DataError, GeoshardError, StorageError
 from geoshard.formats import SHARD_SUFFIX, Format, tfrecord, wds
 from geoshard.formats._window import Readable
-from geoshard.hashing import FAST, ChunkHasher, MultiHasher
 from geoshard.manifest import ShardChunks, SourceEntry
-from geoshard.routing import SLOT_BITS, RouteSpec, feature_key, key_hash
-from geoshard.sources import HashingReader, S3Access, SourceRef, open_source
+from geoshard.plan.routing import SLOT_BITS, RouteSpec, feature_key, key_hash
+from geoshard.split.sources import HashingReader, S3Access, SourceRef, open_source
+from geoshard.util.hashing import FAST, ChunkHasher, MultiHasher
 
 log = logging.getLogger(__name__)
 PROGRESS_TOPIC = "geoshard-split-progress"

@@ -40,12 +40,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from geoshard.endpoints import display_endpoint
 from geoshard.errors import GeoshardError
 from geoshard.plan import Plan, Region
-from geoshard.s3 import classify
-from geoshard.sources import REQUEST_TIMEOUT_S, s3_client
+from geoshard.s3 import REQUEST_TIMEOUT_S, classify, s3_client
 from geoshard.sync.remote import MANIFEST, BucketTarget
+from geoshard.util.endpoints import display_endpoint
 
 log = logging.getLogger(__name__)
 

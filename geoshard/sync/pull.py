@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from geoshard.errors import StorageError, SyncError
-from geoshard.manifest import MANIFEST, parse_region_manifest, write_atomic
-from geoshard.paths import check_shard_path
-from geoshard.retry import Backoff
-from geoshard.sources import REQUEST_TIMEOUT_S
+from geoshard.manifest import MANIFEST, parse_region_manifest
+from geoshard.manifest.verify import algorithm_for, shard_matches
+from geoshard.s3 import REQUEST_TIMEOUT_S
 from geoshard.sync.remote import Bucket, BucketTarget
 from geoshard.sync.transfer import Transfer, Transferer
-from geoshard.verify import algorithm_for, shard_matches
+from geoshard.util.fsutil import write_atomic
+from geoshard.util.paths import check_shard_path
+from geoshard.util.retry import Backoff
 
 log = logging.getLogger(__name__)
 _sleep = time.sleep  # module-level so tests can record the backoff without touching time.sleep

@@ -22,15 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from geoshard.errors import DataError, GeoshardError, SyncError
-from geoshard.hashing import FAST
-from geoshard.manifest import RegionManifest, ShardEntry, parse_region_manifest, read_manifest, read_region_manifest, write_atomic
+from geoshard.manifest import RegionManifest, ShardEntry, parse_region_manifest, read_manifest, read_region_manifest
 from geoshard.plan import Plan
-from geoshard.retry import Backoff
-from geoshard.sources import REQUEST_TIMEOUT_S
+from geoshard.s3 import REQUEST_TIMEOUT_S
 from geoshard.sync.remote import HISTORY, MANIFEST, Bucket, BucketTarget, MissingBucket, RemoteObject
 from geoshard.sync.s5cmd import S5cmdError
 from geoshard.sync.transfer import Transfer, Transferer
 from geoshard.sync.verify_local import check_local, etag_of
+from geoshard.util.fsutil import write_atomic
+from geoshard.util.hashing import FAST
+from geoshard.util.retry import Backoff
 
 log = logging.getLogger(__name__)
 _sleep = time.sleep  # module-level so tests can record the backoff without touching time.sleep

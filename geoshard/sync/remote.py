@@ -13,12 +13,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from geoshard.endpoints import display_endpoint
 from geoshard.errors import ConfigError, StorageError
-from geoshard.hashing import new as new_hash
 from geoshard.plan import Region
-from geoshard.s3 import classify
-from geoshard.sources import REQUEST_TIMEOUT_S, s3_client
+from geoshard.s3 import REQUEST_TIMEOUT_S, classify, s3_client
+from geoshard.util.endpoints import display_endpoint
+from geoshard.util.hashing import new as new_hash
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"

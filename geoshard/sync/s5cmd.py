@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from geoshard.endpoints import display_endpoint
 from geoshard.errors import ConfigError, StorageError
+from geoshard.util.endpoints import display_endpoint
 
 log = logging.getLogger(__name__)
 

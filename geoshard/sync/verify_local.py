@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 
 from geoshard.errors import DataError
-from geoshard.hashing import FAST, new
 from geoshard.manifest import ShardEntry
+from geoshard.util.hashing import FAST, new
 
 # s5cmd's default --part-size: an object up to it goes up in one PUT (ETag: the MD5 of its bytes),
 # a larger one in parts of this size (ETag: the MD5 of the parts' MD5s, then "-" and the count).

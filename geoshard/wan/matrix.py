@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from geoshard import tomlfile
 from geoshard.errors import ConfigError
+from geoshard.util import tomlfile
 
 _REGION_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")  # as in the plan
 _LINK_KEYS = {"a", "b", "latency_ms", "bandwidth_mbit", "queue_ms"}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from geoshard.loaders import make_loader
 
 

@@ -26,10 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from geoshard.trainer.diloco import DiLoCo, OuterSync, RoundRecord, connect_store
-from geoshard.trainer.exit import exit_rank
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from geoshard.trainer.diloco import DiLoCo, OuterSync, RoundRecord, connect_store
+from geoshard.trainer.exit import exit_rank
 
 REGIONS = ("us-east-1", "eu-west-1")
 IN, OUT_CLASSES, REGION_BATCH = 16, 4, 16

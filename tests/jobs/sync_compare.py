@@ -11,14 +11,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 from geoshard.loaders.topology import Topology
+from geoshard.local.synth import NUM_CLASSES
 from geoshard.trainer.comm import CommState, hierarchical_hook, timed_allreduce_hook
 from geoshard.trainer.exit import exit_rank
 from geoshard.trainer.loop import forward_backward
 from geoshard.trainer.model import INPUT_BYTES, Net
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-from geoshard.synth import NUM_CLASSES
 
 REGIONS = ["us-east-1", "us-east-1", "eu-west-1", "ap-southeast-1"]
 STEPS, BATCH = 6, 16

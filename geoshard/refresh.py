@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from geoshard.errors import LockedError
-from geoshard.manifest import write_atomic
 from geoshard.plan import Plan
 from geoshard.split import SplitSettings, run_split
 from geoshard.sync.push import SyncReport, SyncSettings, sync
 from geoshard.sync.transfer import Transferer
+from geoshard.util.fsutil import write_atomic
 
 log = logging.getLogger(__name__)
 LOCK = ".geoshard-refresh.lock"

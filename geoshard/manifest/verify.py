@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from geoshard.hashing import FAST, file_digests
 from geoshard.manifest import MANIFEST, RegionManifest, ShardEntry, read_region_manifest, read_split_or_region
-from geoshard.paths import check_shard_path, plain_relative
+from geoshard.util.hashing import FAST, file_digests
+from geoshard.util.paths import check_shard_path, plain_relative
 
 MODES = ("xxh3", "sha256")
 

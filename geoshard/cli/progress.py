@@ -17,7 +17,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from geoshard.units import human_bytes
+from geoshard.util.units import human_bytes
 
 if TYPE_CHECKING:
     from geoshard.split import SplitResult

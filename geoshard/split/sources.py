@@ -23,15 +23,13 @@ from geoshard import s3 as s3lib
 from geoshard.errors import ConfigError, DataError, StorageError
 from geoshard.formats import Format, format_of_name, is_gzip_name
 from geoshard.formats._window import Readable
-from geoshard.hashing import FAST
-from geoshard.hashing import new as new_hash
+from geoshard.s3 import REQUEST_TIMEOUT_S, s3_client
+from geoshard.util.hashing import FAST
+from geoshard.util.hashing import new as new_hash
 
 log = logging.getLogger(__name__)
 _GLOB = re.compile(r"[*?\[]")
 _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
-# Each S3 request's bound: connect and read (seconds of silence), two tries. An endpoint that
-# accepts connections and never answers fails a call in 2 x this, not in minutes. GEOSHARD_TIMEOUT.
-REQUEST_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -169,11 +167,6 @@ def _walk(folder: str) -> list[str]:
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         found += [os.path.join(top, f) for f in files if not f.startswith(".") and format_of_name(f)]
     return sorted(p for p in found if os.path.isfile(p))
-
-
-def s3_client(endpoint: str | None, profile: str | None, region: str | None = None, timeout_s: float = REQUEST_TIMEOUT_S) -> Any:
-    # A pool as wide as the parallel listings and checks sync issues on long links.
-    return s3lib.client(endpoint, profile, region, s3lib.Timeouts(connect_s=min(timeout_s, 5.0), read_s=timeout_s, attempts=2, pool=32))
 
 
 def split_s3_url(url: str) -> tuple[str, str]:

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from geoshard import tomlfile
 from geoshard.errors import ConfigError
-from geoshard.paths import plain_relative
-from geoshard.units import parse_size
+from geoshard.util import tomlfile
+from geoshard.util.paths import plain_relative
+from geoshard.util.units import parse_size
 
 Policy = Literal["hash", "field", "replicate"]
 POLICIES: tuple[str, ...] = ("hash", "field", "replicate")

@@ -12,7 +12,8 @@ import click
 
 from geoshard.env import read_environment
 from geoshard.plan import Plan
-from geoshard.sources import REQUEST_TIMEOUT_S, S3Access
+from geoshard.s3 import REQUEST_TIMEOUT_S
+from geoshard.split.sources import S3Access
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from geoshard.errors import GeoshardError
+from geoshard.local.synth import SynthSpec, synth
 from geoshard.plan import Plan, parse_plan
 from geoshard.split import SplitResult, SplitSettings, run_split
 from geoshard.split.job import ProgressFn
-from geoshard.synth import SynthSpec, synth
 
 REGION_BUCKETS = {"us-east-1": "geoshard-demo-use1", "eu-west-1": "geoshard-demo-euw1", "ap-southeast-1": "geoshard-demo-apse1"}
 
@@ -143,7 +143,7 @@ def run_demo(settings: DemoSettings, progress: ProgressFn | None = None, echo: E
 
 
 def _sync_and_train(settings: DemoSettings, result: DemoResult, echo: Echo) -> None:
-    from geoshard.seaweed import SeaweedS3, closed_port
+    from geoshard.local.seaweed import SeaweedS3, closed_port
     from geoshard.sync.push import SyncSettings
     from geoshard.sync.push import sync as run_sync
     from geoshard.trainer.config import TrainConfig, parse_regions

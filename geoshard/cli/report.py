@@ -14,9 +14,9 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from geoshard.cli_progress import UNCUT_WIDTH, stdout_console
+from geoshard.cli.progress import UNCUT_WIDTH, stdout_console
 from geoshard.trainer.report import DEFAULT_BUDGET, build_report, write_report
-from geoshard.units import human_bytes
+from geoshard.util.units import human_bytes
 
 
 @click.command()

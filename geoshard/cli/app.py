@@ -16,12 +16,12 @@ from typing import Any, TypeVar, cast
 
 import click
 
-from geoshard.cli_common import created_time, name_envvars, plan_option, quiet_dask, s3_access
+from geoshard.cli.common import created_time, name_envvars, plan_option, quiet_dask, s3_access
 from geoshard.errors import GeoshardError
 from geoshard.formats import FORMATS, Format
+from geoshard.manifest.verify import MODES as VERIFY_MODES
 from geoshard.plan import load_plan
-from geoshard.units import human_bytes
-from geoshard.verify import MODES as VERIFY_MODES
+from geoshard.util.units import human_bytes
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -93,7 +93,7 @@ def split(
     as_json: bool,
 ) -> None:
     """Re-shard SOURCE... by region following --plan into --out."""
-    from geoshard.cli_progress import split_progress, split_table
+    from geoshard.cli.progress import split_progress, split_table
     from geoshard.split import SplitSettings, run_split
 
     if scheduler or processes or any(s.startswith("s3://") for s in sources):
@@ -150,7 +150,7 @@ def split(
 @click.option("--json", "as_json", is_flag=True)
 def verify(directory: Path, mode: str, as_json: bool) -> None:
     """Re-hash every shard of the split in DIRECTORY against its manifest."""
-    from geoshard.verify import verify_split
+    from geoshard.manifest.verify import verify_split
 
     _, report = verify_split(directory, mode)
     if as_json:
@@ -172,7 +172,7 @@ def verify(directory: Path, mode: str, as_json: bool) -> None:
 def inspect(directory: Path, as_json: bool) -> None:
     """Show the regions, shards, samples and bytes of the split in DIRECTORY (or of the one region
     whose manifest DIRECTORY holds: a region folder of a split, a pulled replica)."""
-    from geoshard.cli_progress import regions_table
+    from geoshard.cli.progress import regions_table
     from geoshard.manifest import RegionManifest, read_split_or_region
 
     m = read_split_or_region(directory)
@@ -198,8 +198,8 @@ def inspect(directory: Path, as_json: bool) -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 def synth(out: Path, fmt: str, samples: int, sample_bytes: int, shard_samples: int, origins: str | None, seed: int) -> None:
     """Write a synthetic corpus to OUT (image-like bytes, a label, an origin)."""
-    from geoshard.synth import SynthSpec, parse_origins, synth_files
-    from geoshard.synth import synth as make
+    from geoshard.local.synth import SynthSpec, parse_origins, synth_files
+    from geoshard.local.synth import synth as make
 
     spec = SynthSpec(
         out=out,
@@ -237,9 +237,9 @@ def demo(out: Path, samples: int, workers: int | None, steps: int | None, train:
     server, train one DDP job across the three regions (one rank each), each reading its own
     region's tier chain, and report the IO wait; as root, every packet between regions crosses
     the WAN rehearsal's links."""
-    from geoshard.cli_progress import split_progress, split_table
-    from geoshard.cli_report import render_report
-    from geoshard.demo import DemoSettings, run_demo
+    from geoshard.cli.progress import split_progress, split_table
+    from geoshard.cli.report import render_report
+    from geoshard.local.demo import DemoSettings, run_demo
 
     quiet_dask()
     click.echo(f"geoshard demo: {samples:,} synthetic samples -> three regions under {out}/")
@@ -259,7 +259,7 @@ def demo(out: Path, samples: int, workers: int | None, steps: int | None, train:
 
 def _demo_matrix(wan: str, out: Path) -> Path | None:
     """The matrix the demo trains under: None for off (or auto without root)."""
-    from geoshard.demo import DEMO_WAN
+    from geoshard.local.demo import DEMO_WAN
     from geoshard.wan import NeedsRootError, require_root
 
     if wan == "off":
@@ -316,13 +316,13 @@ class _LazyCommands(MutableMapping[str, click.Command]):
 
 
 LAZY_COMMANDS = {
-    "sync": "geoshard.cli_sync:sync",
-    "pull": "geoshard.cli_sync:pull",
-    "refresh": "geoshard.cli_sync:refresh",
-    "probe": "geoshard.cli_sync:probe",
-    "train": "geoshard.cli_train:train",
-    "report": "geoshard.cli_report:report",
-    "wan": "geoshard.wan.cli:wan",
+    "sync": "geoshard.cli.sync:sync",
+    "pull": "geoshard.cli.sync:pull",
+    "refresh": "geoshard.cli.sync:refresh",
+    "probe": "geoshard.cli.sync:probe",
+    "train": "geoshard.cli.train:train",
+    "report": "geoshard.cli.report:report",
+    "wan": "geoshard.cli.wan:wan",
 }
 
 

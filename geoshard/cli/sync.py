@@ -11,13 +11,13 @@ from typing import Any
 
 import click
 
-from geoshard.cli_common import created_time, plan_option, quiet_dask, request_timeout, s3_access
+from geoshard.cli.common import created_time, plan_option, quiet_dask, request_timeout, s3_access
 from geoshard.errors import ConfigError
+from geoshard.manifest.verify import MODES as VERIFY_MODES
 from geoshard.plan import load_plan
-from geoshard.retry import Backoff
 from geoshard.split import SplitSettings
 from geoshard.sync.push import SyncReport, SyncSettings
-from geoshard.verify import MODES as VERIFY_MODES
+from geoshard.util.retry import Backoff
 
 _SYNC_KEYS = ("regions", "dry_run", "delete", "keep_generations", "workers", "retries", "create_buckets", "verify_remote", "endpoint")
 
@@ -81,7 +81,7 @@ def _sync_settings(
 
 
 def _print_sync(report_dict: dict, as_json: bool) -> None:  # type: ignore[type-arg]
-    from geoshard.cli_progress import sync_table
+    from geoshard.cli.progress import sync_table
 
     if as_json:
         click.echo(json.dumps(report_dict, indent=1))
@@ -95,7 +95,7 @@ def _print_sync(report_dict: dict, as_json: bool) -> None:  # type: ignore[type-
 @_sync_options
 def sync(directory: Path, plan_path: Path, sync_settings: SyncSettings, as_json: bool) -> None:
     """Publish each region's shards of the split in DIRECTORY to its bucket."""
-    from geoshard.cli_progress import transfer_progress
+    from geoshard.cli.progress import transfer_progress
     from geoshard.sync.push import sync as run_sync
 
     plan = load_plan(plan_path)
@@ -132,7 +132,7 @@ def _region_errors(report: SyncReport) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def pull(plan_path: Path, region: str, to: Path, workers: int, endpoint: str | None, verify: str, as_json: bool) -> None:
     """Fill a local replica of a region from its bucket; every shard verified (xxh3_128 by default)."""
-    from geoshard.cli_progress import transfer_progress
+    from geoshard.cli.progress import transfer_progress
     from geoshard.sync.pull import PullSettings
     from geoshard.sync.pull import pull as run_pull
     from geoshard.sync.remote import BucketTarget
@@ -176,8 +176,8 @@ def refresh(
     as_json: bool,
 ) -> None:
     """The nightly job: split new or changed SOURCES into OUT, sync, write a run report."""
-    from geoshard.sync.refresh import RefreshSettings
-    from geoshard.sync.refresh import refresh as run_refresh
+    from geoshard.refresh import RefreshSettings
+    from geoshard.refresh import refresh as run_refresh
 
     if sync_settings.dry_run:
         raise ConfigError("--dry-run: not supported by refresh (it would still split); use geoshard sync --dry-run")

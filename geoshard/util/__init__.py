@@ -1,0 +1,1 @@
+"""Small pieces every stage shares: sizes, retries, TOML files, atomic files, digests, paths."""
