@@ -52,3 +52,34 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path: Path) -> None:
     # No generic top-level package was installed.
     site = next((env_dir / "lib").glob("python3.*/site-packages"))
     assert not (site / "loaders").exists() and not (site / "trainer").exists()
+
+
+def test_every_package_folder_is_listed_for_the_wheel() -> None:
+    """A folder with an __init__.py that pyproject.toml does not list would be left out of the wheel
+    while the editable install (which maps folders) still imported it."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    roots = {"geoshard": ROOT / "geoshard", "geoshard.loaders": ROOT / "loaders", "geoshard.trainer": ROOT / "trainer"}
+    found = set()
+    for name, folder in roots.items():
+        for init in folder.rglob("__init__.py"):
+            rel = init.parent.relative_to(folder).parts
+            found.add(".".join((name, *rel)))
+    found = {p for p in found if not any(part == "__pycache__" for part in p.split("."))}
+    assert found == listed, (sorted(found - listed), sorted(listed - found))
+
+
+def test_a_new_module_imports_at_once_from_the_repository_root(tmp_path: Path) -> None:
+    """The folder tree is the import tree: a file added to loaders/ imports as geoshard.loaders.X with no
+    reinstall, from the repository root too (where the geoshard/ source folder is on sys.path)."""
+    probe = ROOT / "loaders" / f"_probe_{tmp_path.name.replace('-', '_')}.py"
+    probe.write_text("VALUE = 42\n")
+    try:
+        code = f"import geoshard.loaders.{probe.stem} as m, geoshard.trainer, geoshard.cli; print(m.VALUE, m.__file__)"
+        for cwd in (ROOT, tmp_path):
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=cwd)
+            assert out.returncode == 0, out.stderr
+            assert out.stdout.split() == ["42", str(probe)]
+    finally:
+        probe.unlink()
