@@ -49,9 +49,9 @@ class ChainSettings:
     egress_shares: int = 1
     writeback: bool = True
     local_limit_bytes: int | None = None  # cap on the local replica; least recently used shards go first
-    # "xxh3" checks every fetched shard against its fast hash of record (~0.1 s per GB and core
-    # here; sha256 where the manifest has no xxh3_128); "sha256" is the cryptographic check (~0.55 s
-    # per GB and core); "size" trusts the bytes and checks only the length.
+    # "xxh3" checks every fetched shard against its fast hash of record (sha256 where the manifest
+    # has no xxh3_128); "sha256" is the cryptographic check, several times slower per byte (measured
+    # in docs/benchmarks.md, loaders section); "size" trusts the bytes and checks only the length.
     verify: str = "xxh3"
 
     def __post_init__(self) -> None:

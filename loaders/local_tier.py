@@ -77,8 +77,9 @@ class LocalTier:
         Safe because replica files are only ever renamed over or unlinked, never truncated in place
         (a truncated mapping would fault). A mapping is kept for the next fetch of the same file
         (same device, inode and size; up to ``MAPPED_BYTES`` per process, least recently used
-        dropped first): setting up a 64 MB mapping's page tables costs about as much as hashing it,
-        and every fetch still checks the bytes (the chain verifies what this returns)."""
+        dropped first): setting up a large mapping's page tables costs about as much as hashing it
+        (docs/benchmarks.md, loaders section), and every fetch still checks the bytes (the chain
+        verifies what this returns)."""
         p = self._path(path)
         with self._reading(path, p), open(p, "rb") as f:
             st = os.fstat(f.fileno())
