@@ -74,7 +74,7 @@ class RegionalLoader(DataLoader[Any]):
                 yield item
                 left -= 1
                 if nxt is None and self.num_workers and left <= self.lookahead:
-                    # (Forking in a helper thread would hide its tens of ms, but workers forked off a
+                    # (Forking in a helper thread would hide its cost, but workers forked off a
                     # non-main thread die at start-up here; DataLoader expects the main thread.)
                     nxt = self._spawn(EpochStart.fresh(ds.epoch + 1, self.num_workers, tagged=True))
             ds.set_epoch(ds.epoch + 1)
