@@ -33,11 +33,12 @@ class PieceFetcher:
         self, chain: TierChain, manifest: RegionManifest, pieces: list[Piece], place: list[int], queue: FetchQueue | None, copy: bool
     ) -> None:
         self.chain, self.manifest, self.pieces, self.place, self.queue, self.copy = chain, manifest, pieces, place, queue, copy
-        self.prefetcher: Prefetcher[Shard] | None = None  # whose stop ends a wait for a turn
+        self.prefetcher: Prefetcher[Shard] | None = None  # the one calling this (WorkerReader sets it): its stop ends a wait
 
     def __call__(self, k: int) -> Shard:
         g, q = self.place[k], self.queue
-        if q is not None and self.prefetcher is not None:
+        if q is not None:
+            assert self.prefetcher is not None
             q.wait_turn(g, self.prefetcher.stopped)
         try:
             return self._fetch(self.pieces[k], (lambda n: q.arrived(g, n)) if q is not None else None)
