@@ -16,7 +16,7 @@ import urllib.parse
 import warnings
 from typing import Any
 
-from geoshard.loaders.tier import TierError, TierMissing
+from geoshard.loaders.tier import Progress, TierDefaults, TierError, TierMissing
 
 _PAGE_SIZE_OPTION = "alluxio.worker.page.store.page.size"
 
@@ -51,7 +51,7 @@ _client_log = logging.getLogger(__name__ + ".client")
 _client_log.setLevel(logging.ERROR)
 
 
-class AlluxioTier:
+class AlluxioTier(TierDefaults):
     kind = "alluxio"
 
     def __init__(self, url: str, ufs_root: str, region: str = "", timeout_s: float = 2.0, page_size: str | None = None) -> None:
@@ -109,7 +109,8 @@ class AlluxioTier:
             raise self._fail(path, e) from e
         return data
 
-    def read_range(self, path: str, offset: int, length: int) -> bytes:
+    def read_range(self, path: str, offset: int, length: int, progress: Progress | None = None) -> bytes:
+        """The client reads pages and returns them together: nothing arrives early, so no ``progress``."""
         try:
             data: bytes = self.fs.read_range(self._uri(path), offset, length)
         except Exception as e:

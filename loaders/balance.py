@@ -15,7 +15,7 @@ from typing import Literal
 
 from geoshard.errors import ConfigError
 
-Remainder = Literal["drop", "pad"]
+Remainder = Literal["drop", "pad"]  # what an epoch does with samples that do not split evenly
 WEIGHT_TOLERANCE = 0.10  # ranks per region vs plan weights: beyond this, a warning at start
 
 
@@ -67,10 +67,19 @@ class Balance:
         return out
 
 
-def balance(samples: Mapping[str, int], ranks: Mapping[str, int], remainder: Remainder = "drop") -> Balance:
-    """The job-wide samples per rank from each region's sample count and rank count."""
+def check_remainder(remainder: str) -> None:
     if remainder not in ("drop", "pad"):
         raise ConfigError(f"remainder must be 'drop' or 'pad', got {remainder!r}")
+
+
+def even_share(samples: int, ranks: int, remainder: Remainder) -> int:
+    """Samples per rank when ``ranks`` ranks split ``samples``: rounded down with ``drop``, up with ``pad``."""
+    return samples // ranks if remainder == "drop" else -(-samples // ranks)
+
+
+def balance(samples: Mapping[str, int], ranks: Mapping[str, int], remainder: Remainder = "drop") -> Balance:
+    """The job-wide samples per rank from each region's sample count and rank count."""
+    check_remainder(remainder)
     if not ranks:
         raise ConfigError("a job needs at least one region with at least one rank")
     for name, n in ranks.items():
@@ -78,7 +87,7 @@ def balance(samples: Mapping[str, int], ranks: Mapping[str, int], remainder: Rem
             raise ConfigError(f"region {name} has {n} ranks; every region of the job needs at least one")
         if name not in samples:
             raise ConfigError(f"no sample count for region {name}")
-    per_region = {name: samples[name] // n if remainder == "drop" else -(-samples[name] // n) for name, n in ranks.items()}
+    per_region = {name: even_share(samples[name], n, remainder) for name, n in ranks.items()}
     per = min(per_region.values()) if remainder == "drop" else max(per_region.values())
     regions = []
     for name, n in ranks.items():

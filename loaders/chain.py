@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from geoshard.errors import ConfigError, DataError, StorageError
-from geoshard.loaders.local_tier import LocalTier
 from geoshard.loaders.stats import LoaderStats
-from geoshard.loaders.tier import Tier, TierError, TierMissing, WritableTier, make_tier
+from geoshard.loaders.tier import Progress, Tier, TierError, TierMissing, WritableTier, make_tier
 from geoshard.manifest import MANIFEST, RegionManifest, ShardEntry, parse_region_manifest
 from geoshard.plan import Plan
 from geoshard.util.hashing import verify_digest, xxh3_128
@@ -49,9 +48,9 @@ class ChainSettings:
     egress_shares: int = 1
     writeback: bool = True
     local_limit_bytes: int | None = None  # cap on the local replica; least recently used shards go first
-    # "xxh3" checks every fetched shard against its fast hash of record (~0.1 s per GB and core
-    # here; sha256 where the manifest has no xxh3_128); "sha256" is the cryptographic check (~0.55 s
-    # per GB and core); "size" trusts the bytes and checks only the length.
+    # "xxh3" checks every fetched shard against its fast hash of record (sha256 where the manifest
+    # has no xxh3_128); "sha256" is the cryptographic check, several times slower per byte (measured
+    # in docs/benchmarks.md, loaders section); "size" trusts the bytes and checks only the length.
     verify: str = "xxh3"
 
     def __post_init__(self) -> None:
@@ -87,7 +86,8 @@ class TierChain:
         self._clock, self._sleep = clock, sleep
         self._down_until: dict[str, float] = {}
         self._warned: set[str] = set()
-        self.local = next((t for t in self.tiers if isinstance(t, WritableTier)), None)
+        # The replica shards fetched from further away are written back to.
+        self.local = next((t for t in self.tiers if t.writable and isinstance(t, WritableTier)), None)
 
     def cooldowns(self) -> dict[str, float]:
         """Tiers cooling down, until when (monotonic clock: the same in every process of a host)."""
@@ -115,7 +115,7 @@ class TierChain:
             return self._try(tier, shard, failures)
 
         tier, data = self._nearest(shard, shard.bytes, "", attempt)
-        # (Only the local replica maps its shards; what other tiers return is bytes.)
+        # (A mapping is a replica's own file: only bytes fetched from elsewhere are written back.)
         if self.settings.writeback and self.local is not None and tier is not self.local and isinstance(data, bytes):
             try:
                 self.local.write(shard.path, data)
@@ -170,7 +170,7 @@ class TierChain:
             failures.append(f"{tier.name}: its {MANIFEST} describes region {m.region}")
         raise AllTiersFailed(f"region {self.region}: no tier has its {MANIFEST}: " + "; ".join(failures))
 
-    def fetch_chunks(self, shard: ShardEntry, first: int, last: int, progress: Callable[[int], None] | None = None) -> bytes | memoryview:
+    def fetch_chunks(self, shard: ShardEntry, first: int, last: int, progress: Progress | None = None) -> bytes | memoryview:
         """Chunks ``first`` to ``last`` (inclusive) of a shard with chunk hashes, as one buffer, from
         the nearest tier that has them intact. ``progress(n)``: bytes arrived so far (S3 tiers)."""
         c = shard.chunks
@@ -193,18 +193,11 @@ class TierChain:
         offset: int,
         length: int,
         failures: list[str],
-        progress: Callable[[int], None] | None,
+        progress: Progress | None,
     ) -> bytes | memoryview | None:
         assert shard.chunks is not None
 
-        def read() -> bytes | memoryview:
-            if isinstance(tier, LocalTier):
-                return memoryview(tier.map(shard.path))[offset : offset + length]
-            if progress is not None and hasattr(tier, "read_range") and tier.kind == "s3":
-                return tier.read_range(shard.path, offset, length, progress=progress)  # type: ignore[call-arg,no-any-return]
-            return tier.read_range(shard.path, offset, length)
-
-        got = self._attempt(tier, failures, read)
+        got = self._attempt(tier, failures, lambda: tier.read_range(shard.path, offset, length, progress))
         if got is None:
             return None
         data, t0 = got
@@ -212,9 +205,8 @@ class TierChain:
         if bad:
             self.stats.count(tier.name, "verify_failures")
             failures.append(f"{tier.name}: {bad}")
-            if isinstance(tier, LocalTier):
-                data = b""  # let go of the mapping before the file goes
-                tier.remove(shard.path)  # never serve a corrupt local copy again
+            data = b""  # let go of a mapping before its file goes
+            tier.remove_corrupt(shard.path)
             return None
         self.stats.hit(tier.name, len(data), self._clock() - t0)
         return data
@@ -277,8 +269,8 @@ class TierChain:
             )
 
     def _try(self, tier: Tier, shard: ShardEntry, failures: list[str]) -> bytes | mmap.mmap | None:
-        # Local shards are mapped, not read: one copy fewer on the hot path.
-        got = self._attempt(tier, failures, lambda: tier.map(shard.path) if isinstance(tier, LocalTier) else tier.read(shard.path))
+        # A view, not a read: a local replica maps its file, one copy fewer on the hot path.
+        got = self._attempt(tier, failures, lambda: tier.view(shard.path))
         if got is None:
             return None
         data, t0 = got
@@ -288,8 +280,7 @@ class TierChain:
         if not intact:
             self.stats.count(tier.name, "verify_failures")
             failures.append(f"{tier.name}: {shard.path} does not match its manifest ({len(data)} of {shard.bytes} bytes)")
-            if isinstance(tier, LocalTier):
-                tier.remove(shard.path)  # never serve a corrupt local copy again
+            tier.remove_corrupt(shard.path)
             return None
         self.stats.hit(tier.name, len(data), self._clock() - t0)
         return data

@@ -23,8 +23,9 @@ the whole job (``balance.py``) so that every rank of every region yields the sam
    ``shuffle_buffer`` samples: a worker's first batch needs only its own samples (a chunk or two
    of a shard, not the whole first ``shuffle_buffer``), so it can come as soon as they have
    crossed the link. All of a window is needed at its start, so while windows grow a reader must
-   fetch ahead faster than it consumes, by about the growth factor: 1.25 stays under a link with
-   1.5x the consumption (doubling would need 2x, measured in docs/benchmarks.md).
+   fetch ahead faster than it consumes, by about the growth factor: a quarter keeps that under
+   what the benchmarked links carry, where doubling would not (measured in docs/benchmarks.md,
+   loaders section).
 """
 
 from __future__ import annotations
@@ -32,13 +33,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
 from geoshard.errors import ConfigError
-
-Remainder = Literal["drop", "pad"]
+from geoshard.loaders.balance import Remainder, check_remainder, even_share
 
 
 @dataclass(frozen=True)
@@ -60,8 +59,7 @@ class Layout:
             raise ConfigError(f"samples_per_rank must be 0 or more, got {self.samples_per_rank}")
         if self.num_workers < 1 or self.batch_size < 1 or self.shuffle_buffer < 1:
             raise ConfigError("num_workers, batch_size and shuffle_buffer must be at least 1")
-        if self.remainder not in ("drop", "pad"):
-            raise ConfigError(f"remainder must be 'drop' or 'pad', got {self.remainder!r}")
+        check_remainder(self.remainder)
 
 
 @dataclass(frozen=True)
@@ -129,8 +127,7 @@ def per_rank(total: int, layout: Layout) -> int:
     """Samples each rank yields per epoch: the job's figure, else this region's alone."""
     if layout.samples_per_rank is not None:
         return layout.samples_per_rank
-    w = layout.world_size
-    return total // w if layout.remainder == "drop" else -(-total // w)
+    return even_share(total, layout.world_size, layout.remainder)
 
 
 def rank_plan(counts: Sequence[int], epoch: int, layout: Layout) -> RankPlan:

@@ -23,8 +23,9 @@ from torch.utils.data import DataLoader
 
 from geoshard.errors import ConfigError
 from geoshard.loaders.chain import ChainSettings
-from geoshard.loaders.dataset import EpochStart, RegionalDataset, WorkerFailure
+from geoshard.loaders.dataset import RegionalDataset
 from geoshard.loaders.decode import PackedBatch, unpack
+from geoshard.loaders.handoff import EpochStart, WorkerFailure
 from geoshard.loaders.slots import SlotPool
 from geoshard.loaders.stats import merge_snapshots
 from geoshard.plan import Plan
@@ -73,9 +74,9 @@ class RegionalLoader(DataLoader[Any]):
                 yield item
                 left -= 1
                 if nxt is None and self.num_workers and left <= self.lookahead:
-                    # (Forking in a helper thread would hide its tens of ms, but workers forked off a
+                    # (Forking in a helper thread would hide its cost, but workers forked off a
                     # non-main thread die at start-up here; DataLoader expects the main thread.)
-                    nxt = self._spawn(EpochStart(ds.epoch + 1, (0,) * self.num_workers, 0, tagged=True))
+                    nxt = self._spawn(EpochStart.fresh(ds.epoch + 1, self.num_workers, tagged=True))
             ds.set_epoch(ds.epoch + 1)
             started = ds.begin(max(self.num_workers, 1), tagged=True)  # the consumer's position: the new epoch's start
             it = self._unwrap(nxt) if nxt is not None else self._unwrap(self._spawn(started))

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from geoshard.errors import ConfigError
-from geoshard.loaders.tier import TierError, TierMissing
+from geoshard.loaders.tier import Progress, TierError, TierMissing
 from geoshard.util.fsutil import temp_file
 from geoshard.util.paths import is_shard_name, plain_relative
 
@@ -30,6 +30,7 @@ MAPPED_BYTES = 2 << 30
 
 class LocalTier:
     kind = "local"
+    writable = True
 
     def __init__(self, root: str | os.PathLike[str], region: str = "", limit_bytes: int | None = None) -> None:
         self.root = Path(root)
@@ -71,14 +72,15 @@ class LocalTier:
             os.utime(p)  # recency for eviction
         return data
 
-    def map(self, path: str) -> bytes | mmap.mmap:
+    def view(self, path: str) -> bytes | mmap.mmap:
         """The shard memory-mapped: no copy into the process before its samples are cut out.
 
         Safe because replica files are only ever renamed over or unlinked, never truncated in place
         (a truncated mapping would fault). A mapping is kept for the next fetch of the same file
         (same device, inode and size; up to ``MAPPED_BYTES`` per process, least recently used
-        dropped first): setting up a 64 MB mapping's page tables costs about as much as hashing it,
-        and every fetch still checks the bytes (the chain verifies what this returns)."""
+        dropped first): setting up a large mapping's page tables costs about as much as hashing it
+        (docs/benchmarks.md, loaders section), and every fetch still checks the bytes (the chain
+        verifies what this returns)."""
         p = self._path(path)
         with self._reading(path, p), open(p, "rb") as f:
             st = os.fstat(f.fileno())
@@ -112,11 +114,9 @@ class LocalTier:
         if kept is not None:
             self._mapped -= kept[0][2]
 
-    def read_range(self, path: str, offset: int, length: int) -> bytes:
-        p = self._path(path)
-        with self._reading(path, p), open(p, "rb") as f:
-            f.seek(offset)
-            return f.read(length)
+    def read_range(self, path: str, offset: int, length: int, progress: Progress | None = None) -> memoryview:
+        """A view of the kept mapping (``view``): no copy; a local read has no progress to report."""
+        return memoryview(self.view(path))[offset : offset + length]
 
     def write(self, path: str, data: bytes) -> None:
         p = self._path(path)
@@ -132,6 +132,9 @@ class LocalTier:
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
                 raise
+
+    def remove_corrupt(self, path: str) -> None:
+        self.remove(path)  # never serve a corrupt copy again
 
     def remove(self, path: str) -> None:
         p = self._path(path)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from geoshard.loaders.epoch import Layout, need_positions, rank_plan
 from geoshard.manifest import ShardEntry
 
 
@@ -124,3 +125,38 @@ def rank_order(per_worker: Sequence[Sequence[Piece]], batch_size: int, rotation:
     for g, (_, w, k) in enumerate(keys):
         out[w][k] = g
     return out
+
+
+@dataclass(frozen=True)
+class RankPieces:
+    """One iteration of a rank, per logical worker: its pieces (after its skip), their places in the
+    rank's fetch order, and its stream of (shard, index) per sample. The same in every process."""
+
+    workers: list[WorkerPieces]
+    places: list[list[int]]
+    streams: list[tuple[np.ndarray, np.ndarray]]
+
+    def sizes(self) -> list[int]:
+        """Bytes of each piece, by its place in the rank's fetch order."""
+        out = [0] * sum(len(p) for p in self.places)
+        for wp, pl in zip(self.workers, self.places, strict=True):
+            for p, g in zip(wp.pieces, pl, strict=True):
+                out[g] = p.length
+        return out
+
+    def first_round(self, batch_size: int) -> int:
+        """Pieces that every worker's first batch needs (they all go at once: ``rank_order``)."""
+        return sum(1 for wp in self.workers for p in wp.pieces if p.need < batch_size)
+
+
+def rank_pieces(counts: Sequence[int], cmap: ChunkMap, layout: Layout, epoch: int, skips: Sequence[int], rotation: int) -> RankPieces:
+    """The pieces of every logical worker of a rank (``layout.num_workers`` of them), each after
+    skipping the samples ``skips`` says it already delivered, and the rank's fetch order of them."""
+    plan = rank_plan(counts, epoch, layout)
+    workers, streams = [], []
+    for w, skip in enumerate(skips):
+        shards, idx = plan.worker_stream(w, layout, epoch)
+        need = np.maximum(need_positions(len(shards), layout)[skip:], skip) - skip
+        workers.append(worker_pieces(shards[skip:], idx[skip:], need, cmap))
+        streams.append((shards[skip:], idx[skip:]))
+    return RankPieces(workers, rank_order([p.pieces for p in workers], layout.batch_size, rotation), streams)

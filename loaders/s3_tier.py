@@ -3,17 +3,16 @@ short timeouts, one attempt per call (the chain owns retries and cooldowns)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from geoshard import s3
-from geoshard.loaders.tier import TierError, TierMissing
+from geoshard.loaders.tier import Progress, TierDefaults, TierError, TierMissing
 from geoshard.util.endpoints import display_endpoint
 
 _PIECE = 256 << 10
 
 
-class S3Tier:
+class S3Tier(TierDefaults):
     kind = "s3"
 
     def __init__(
@@ -52,7 +51,7 @@ class S3Tier:
                 return None
             raise err from e
 
-    def _get(self, path: str, progress: Callable[[int], None] | None = None, **kw: Any) -> bytes:
+    def _get(self, path: str, progress: Progress | None = None, **kw: Any) -> bytes:
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
@@ -72,7 +71,7 @@ class S3Tier:
     def read(self, path: str) -> bytes:
         return self._get(path)
 
-    def read_range(self, path: str, offset: int, length: int, progress: Callable[[int], None] | None = None) -> bytes:
+    def read_range(self, path: str, offset: int, length: int, progress: Progress | None = None) -> bytes:
         """``length`` bytes from ``offset``; ``progress(n)`` is called as each part of the body
         arrives (the rank's fetch queue lets the next request start before this one ends)."""
         if length <= 0:

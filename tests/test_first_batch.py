@@ -316,7 +316,8 @@ def test_a_local_replica_with_a_damaged_chunk_falls_back_to_the_bucket(region: P
 def test_the_first_piece_is_the_first_batchs_chunk(region: Path) -> None:
     ds = RegionalDataset(_local_plan(region), region=EU, seed=0, batch_size=64, settings=ChainSettings(writeback=False))
     start = ds.begin(2)
-    per_worker, places, _ = ds.rank_pieces(start)
+    rp = ds.rank_pieces(start)
+    per_worker, places = rp.workers, rp.places
     first = [wp.pieces[0] for wp in per_worker]
     assert all(p.chunked and p.last - p.first <= 1 for p in first), first
     assert all(p.length < 2.1 * CHUNK_BYTES for p in first)

@@ -12,9 +12,10 @@ import pytest
 from servers import SeaweedS3
 
 from geoshard.loaders.local_tier import LocalTier
-from geoshard.loaders.tier import TIER_KINDS, Tier, TierMissing, make_tier, register_tier, tier_class
+from geoshard.loaders.tier import TIER_KINDS, Tier, TierDefaults, TierMissing, WritableTier, make_tier, register_tier, tier_class
 
-FILES = {"a.tar": os.urandom(3000), "sub/b.tar": os.urandom((1 << 20) + 7), "one.tar": b"x"}
+SHARD = "00001-0000-0123456789ab.tar"  # a name of geoshard's shard pattern: a replica may remove it
+FILES = {"a.tar": os.urandom(3000), "sub/b.tar": os.urandom((1 << 20) + 7), "one.tar": b"x", SHARD: os.urandom(500)}
 
 
 class TierContract:
@@ -34,6 +35,25 @@ class TierContract:
     def test_read_range(self, tier: Tier, offset: int, length: int) -> None:
         data = FILES["sub/b.tar"]
         assert tier.read_range("sub/b.tar", offset, length) == data[offset : offset + length]
+
+    def test_read_range_with_progress_reports_at_most_what_arrived(self, tier: Tier) -> None:
+        data, seen = FILES["sub/b.tar"], []
+        got = tier.read_range("sub/b.tar", 5, 300_000, seen.append)
+        assert bytes(got) == data[5:300_005] and sum(seen) <= 300_000
+
+    def test_view_is_byte_identical(self, tier: Tier) -> None:
+        for path, data in FILES.items():
+            assert bytes(tier.view(path)) == data
+
+    def test_writable_says_whether_it_is_a_replica_to_write_to(self, tier: Tier) -> None:
+        assert isinstance(tier.writable, bool) and tier.writable == isinstance(tier, WritableTier)
+
+    def test_remove_corrupt_drops_a_replica_copy_and_leaves_read_only_tiers_alone(self, tier: Tier) -> None:
+        tier.remove_corrupt(SHARD)
+        if tier.writable:
+            assert tier.stat(SHARD) is None
+        else:
+            assert tier.read(SHARD) == FILES[SHARD]
 
     def test_missing_object_is_a_miss_not_a_failure(self, tier: Tier) -> None:
         with pytest.raises(TierMissing):
@@ -63,6 +83,29 @@ class TestLocalTier(TierContract):
     def test_paths_outside_the_replica_are_refused(self, tmp_path: Path) -> None:
         with pytest.raises(Exception, match="outside the replica"):
             LocalTier(tmp_path).read("../etc/passwd")
+
+
+class DictTier(TierDefaults):
+    """A tier with only ``stat`` and ``read``: the defaults give it the rest of the protocol."""
+
+    kind, name, region = "dict", "dict:test", "eu-west-1"
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files = files
+
+    def stat(self, path: str) -> int | None:
+        return len(self.files[path]) if path in self.files else None
+
+    def read(self, path: str) -> bytes:
+        if path not in self.files:
+            raise TierMissing(f"{self.name}: {path}")
+        return self.files[path]
+
+
+class TestTierDefaults(TierContract):
+    @pytest.fixture
+    def tier(self) -> Tier:
+        return DictTier(dict(FILES))
 
 
 @pytest.fixture(scope="module")
