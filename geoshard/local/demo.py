@@ -211,8 +211,7 @@ def _sync_and_train(settings: DemoSettings, result: DemoResult, echo: Echo) -> N
         seconds["s3_stop"] = time.monotonic() - t0
 
 
-# The demo's WAN (one way): us-east-1 to eu-west-1 38 ms, to ap-southeast-1 110 ms, eu-west-1 to
-# ap-southeast-1 85 ms, as between those AWS regions; caps of a shared inter-region link.
+# The demo's WAN: one-way latencies as between those AWS regions, caps of a shared inter-region link.
 DEMO_WAN = """\
 [[link]]
 a = "us-east-1"

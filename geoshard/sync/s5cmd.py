@@ -86,7 +86,7 @@ class S5cmdSettings:
     endpoint_url: str | None = None  # None: s5cmd's own default (AWS, or S3_ENDPOINT_URL)
     profile: str | None = None
     numworkers: int = 64
-    retry_count: int = 2  # s5cmd's default of 10 makes a dead endpoint take ~50 s to report
+    retry_count: int = 2  # s5cmd's default of 10 retries makes a dead endpoint slow to report
     timeout_s: float = 3600.0  # for the whole s5cmd call, however many objects it moves
     # Extra variables for the child (AWS_* credentials and the like): never in argv, never logged.
     env: Mapping[str, str] = field(default_factory=dict, repr=False)
