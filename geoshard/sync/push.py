@@ -151,7 +151,12 @@ def sync_region(
         rr.bytes_uploaded = sum(s.bytes for s in uploads)
         rr.deleted = len(_unreferenced(bucket, listing, local, settings.keep_generations)) if settings.delete else 0
         return
-    _upload_checked(uploads, md5, root, target, transferer, settings.backoff, rr, progress)
+    # The MD5s that check the uploads are computed while s5cmd runs (one thread: the upload is
+    # latency-bound, and s5cmd needs the other core).
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = {s.path: pool.submit(etag_of, root / s.path) for s in uploads if s.path not in md5}
+        _upload(uploads, root, target, transferer, settings.backoff, rr, progress)
+        md5.update({p: f.result() for p, f in pending.items()})
     etags.update({s.sha256: md5[s.path] for s in uploads})
     log.info("%s: uploads done at %.2f s", target.region, time.monotonic() - t0)
     after = _publish(bucket, target, local, listing if not uploads else None, md5, etags, root)
@@ -243,24 +248,6 @@ def _check_locally(todo: Sequence[ShardEntry], root: Path, target: BucketTarget,
         present = {s.path for s in todo if _same_size(listing.get(s.path), s.bytes)}
         checked = pool.map(lambda s: check_local(s, root / s.path, target.region, md5=s.path in present), todo)
         return {s.path: d for s, d in zip(todo, checked, strict=True) if d is not None}
-
-
-def _upload_checked(
-    uploads: Sequence[ShardEntry],
-    md5: dict[str, str],
-    root: Path,
-    target: BucketTarget,
-    transferer: Transferer,
-    backoff: Backoff,
-    rr: RegionReport,
-    progress: ProgressFn | None,
-) -> None:
-    """Upload; the MD5s that check the uploads (into ``md5``) are computed while s5cmd runs (one
-    thread: the upload is latency-bound, and s5cmd needs the other core)."""
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = {s.path: pool.submit(etag_of, root / s.path) for s in uploads if s.path not in md5}
-        _upload(uploads, root, target, transferer, backoff, rr, progress)
-        md5.update({p: f.result() for p, f in pending.items()})
 
 
 def _publish(
