@@ -213,3 +213,11 @@ def test_field_routing_json_with_tfrecord_is_a_config_error(tmp_path: Path, sche
     (tmp_path / "t.tfrecord").write_bytes(_records(3))
     plan = write_plan(tmp_path / "plan.toml", policy="field")
     assert_one_line_error(split(scheduler, tmp_path, tmp_path / "t.tfrecord", plan=plan), 2, "routing.field", "name a feature")
+
+
+def test_regions_option_refuses_a_bad_region_name_in_one_line(tmp_path: Path) -> None:
+    """`geoshard train --regions` applies the plan's region-name rule (geoshard/plan/names.py)."""
+    plan = write_plan(tmp_path / "plan.toml")
+    r = run("train", "--plan", plan, "--out", tmp_path / "run", "--steps", "1", "--regions", "EU-West:1")
+    assert_one_line_error(r, 2, "--regions", "'EU-West'", "must be a region name")
+    assert not (tmp_path / "run").exists()

@@ -15,7 +15,7 @@ from servers import SeaweedS3
 from synckit import make_split, objects, sync_plan
 
 from geoshard.manifest import MANIFEST, read_region_manifest
-from geoshard.sync.push import ETAG_CACHE
+from geoshard.sync.etag_cache import ETAG_CACHE
 from geoshard.sync.verify_local import S3Etag, etag_of
 
 EU = "eu-west-1"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,48 @@ def test_error_names_the_line_of_the_key(tmp_path: Path) -> None:
 def test_missing_plan_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="plan file not found"):
         load_plan(tmp_path / "nope.toml")
+
+
+# One region-name rule (geoshard/plan/names.py): what the plan accepts, ``--regions`` and the WAN
+# matrix accept too, and a name one refuses, all three refuse with a line that names it.
+GOOD_NAME = "eu_west.2"  # '.' and '_': the plan took these before --regions did
+BAD_NAMES = ["EU-West", "-eu", "eu west", "e" * 64, "eu/west"]
+
+
+def _in_plan(name: str) -> None:
+    parse_plan(f'[regions."{name}"]\nweight = 1\n[regions.us-east-1]\nweight = 1\n', source="p.toml")
+
+
+def _in_regions_option(name: str) -> None:
+    from geoshard.trainer.config import parse_regions
+
+    assert [r.region for r in parse_regions(f"{name}:1,us-east-1:2")] == [name, "us-east-1"]
+
+
+def _in_matrix(name: str) -> None:
+    from geoshard.wan.matrix import parse_matrix
+
+    assert parse_matrix(f'[[link]]\na = "{name}"\nb = "us-east-1"\nlatency_ms = 1\n', source="m.toml").regions
+
+
+@pytest.mark.parametrize("accepts", [_in_plan, _in_regions_option, _in_matrix])
+def test_one_region_name_rule_for_plan_regions_option_and_matrix(accepts: Callable[[str], None]) -> None:
+    from geoshard.plan import is_region_name
+
+    assert is_region_name(GOOD_NAME)
+    accepts(GOOD_NAME)
+    for bad in BAD_NAMES:
+        assert not is_region_name(bad)
+        with pytest.raises(ConfigError) as info:
+            accepts(bad)
+        msg = str(info.value)
+        assert repr(bad) in msg and "must be a region name (lowercase letters" in msg and "\n" not in msg, msg
+        assert info.value.exit_code == 2
+
+
+def test_check_region_name_names_the_key() -> None:
+    from geoshard.plan import check_region_name
+
+    assert check_region_name("us-east-1", "--region") == "us-east-1"
+    with pytest.raises(ConfigError, match=r"^--region: must be a region name \(.*\), got 'US'$"):
+        check_region_name("US", "--region")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from geoshard.errors import ConfigError
+from geoshard.plan.names import check_region_name
 
 BACKENDS = ("auto", "gloo", "nccl")
 COMPRESSIONS = ("none", "fp16")
@@ -20,7 +21,7 @@ SYNCS = ("auto", "flat", "hierarchical", "diloco")
 OUTER_COMPRESSIONS = ("fp16", "bf16", "none")  # of DiLoCo's pseudo-gradients on the long links
 MODELS = ("mlp", "none")  # none: no model, the data path alone (a stated compute time per step)
 NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "NVLS", "NVLSTree", "PAT")
-_REGION_SPEC = re.compile(r"^([a-z0-9][a-z0-9-]*):([0-9]+)$")
+_REGION_SPEC = re.compile(r"^([^:]+):([0-9]+)$")
 _HOST_PORT = re.compile(r"^([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:]+\]):([0-9]{1,5})$")
 
 
@@ -37,6 +38,7 @@ def parse_regions(text: str, option: str = "--regions") -> tuple[RegionRanks, ..
         m = _REGION_SPEC.match(part)
         if not m or int(m.group(2)) < 1:
             raise ConfigError(f"{option}: {part!r} is not REGION:RANKS with RANKS >= 1 (e.g. us-east-1:2,eu-west-1:1)")
+        check_region_name(m.group(1), option)
         if any(r.region == m.group(1) for r in out):
             raise ConfigError(f"{option}: {m.group(1)} appears twice")
         out.append(RegionRanks(m.group(1), int(m.group(2))))

@@ -268,6 +268,3 @@ def probe(
             if not c.ok:
                 click.echo(f"geoshard: error: region {c.region}: {c.error}", err=True)
         sys.exit(1)
-
-
-COMMANDS = (sync, pull, refresh, probe)

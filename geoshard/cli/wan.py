@@ -89,6 +89,3 @@ def check(matrix_path: Path, regions: str | None, rounds: int, throughput_s: flo
         )
     click.echo(f"delayed packets left {late.mean_ms:.2f} ms late on average (max {late.max_ms:.1f} ms, {late.packets:,} packets)")
     click.echo(f"removed its {len(made)} namespaces and their TUN devices")
-
-
-COMMANDS = (wan,)

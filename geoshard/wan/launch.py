@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,11 +15,16 @@ if TYPE_CHECKING:
 
 
 def launch_under_wan(
-    cfg: TrainConfig, regions: Sequence[RegionRanks], max_restarts: int, matrix_path: Path, echo: Callable[[str], Any]
+    cfg: TrainConfig,
+    regions: Sequence[RegionRanks],
+    max_restarts: int,
+    matrix_path: Path,
+    echo: Callable[[str], Any],
+    env: Mapping[str, str] | None = None,
 ) -> int:
     """The job with each region's agent in that region's namespace; loopback S3 endpoints of the plan
     are served from their region's namespace. RUN_DIR/wan.json records the matrix, the forwarder's
-    ceiling and the bytes that crossed each link."""
+    ceiling and the bytes that crossed each link. ``env`` adds variables for the ranks."""
     from geoshard.trainer.launch import RegionNet, launch_regions
     from geoshard.wan import Rehearsal, load_matrix, netns, require_root
     from geoshard.wan.localize import localize_endpoints
@@ -38,7 +43,7 @@ def launch_under_wan(
             env=lambda r: {**wan.env(r), "TORCH_CPP_LOG_LEVEL": "ERROR"},
             inside=lambda r: netns.inside(wan.netns(r)),
         )
-        code = launch_regions(dataclasses.replace(cfg, plan=plan), regions, max_restarts, net=net)
+        code = launch_regions(dataclasses.replace(cfg, plan=plan), regions, max_restarts, env=env, net=net)
         counters = wan.counters()
         links: list[dict[str, Any]] = [{"from": a, "to": b, "bytes": n, "packets": k} for (a, b), (n, k) in sorted(counters.items())]
         record = {

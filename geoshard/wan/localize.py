@@ -7,7 +7,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-_REGION_TABLE = re.compile(r'^\s*\[regions\.("?)([A-Za-z0-9_-]+)\1\]')
+from geoshard.plan.names import REGION_NAME
+
+_REGION_TABLE = re.compile(r'^\s*\[regions\.("?)(' + REGION_NAME.pattern + r")\1\]")
 _LOOPBACK_ENDPOINT = re.compile(r'^(\s*endpoint\s*=\s*")http://(?:127\.0\.0\.1|localhost):(\d+)(/?")')
 
 Expose = Callable[[str, int], tuple[str, int]]  # (region, host port) -> (address, port) in the region

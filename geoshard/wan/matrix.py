@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from geoshard.errors import ConfigError
+from geoshard.plan.names import check_region_name, is_region_name, region_name_problem
 from geoshard.util import tomlfile
 
-_REGION_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")  # as in the plan
 _LINK_KEYS = {"a", "b", "latency_ms", "bandwidth_mbit", "queue_ms"}
 DEFAULT_QUEUE_MS = 100.0
 MAX_LATENCY_MS = 10_000.0
@@ -125,8 +125,8 @@ def parse_matrix(text: str, source: str = "matrix") -> WanMatrix:
             v = t.get(k)
             if v is None:
                 raise fail(i, pre + k, "missing; a link names its two regions as a and b")
-            if not isinstance(v, str) or not _REGION_NAME.match(v):
-                raise fail(i, pre + k, f"must be a region name (lowercase letters, digits, '.', '_', '-'), got {v!r}")
+            if not is_region_name(v):
+                raise fail(i, pre + k, region_name_problem(v))
             ends.append(v)
         if ends[0] == ends[1]:
             raise fail(i, pre + "b", f"a link joins two different regions, got {ends[0]!r} twice")
@@ -207,8 +207,7 @@ def update_matrix(path: str | Path, origin: str | None, rtts_ms: Mapping[str, fl
     p = Path(path)
     if not origin:
         raise ConfigError(f"{p}: this host's region is unknown; set GEOSHARD_REGION (or AWS_REGION) to the region it runs in")
-    if not _REGION_NAME.match(origin):
-        raise ConfigError(f"{p}: this host's region {origin!r} is not a region name (lowercase letters, digits, '.', '_', '-')")
+    check_region_name(origin, f"{p}: this host's region")
     measured = {r: rtt for r, rtt in rtts_ms.items() if r != origin and rtt > 0}
     if not measured:
         raise ConfigError(f"{p}: no region other than {origin} was measured; nothing to write")
