@@ -401,13 +401,13 @@ class RegionalDataset(IterableDataset[Any]):
                 fq.wait_turn(g, prefetcher.stopped)
             try:
                 if not p.chunked:
-                    return Shard(entry.path, chain.fetch(entry), fmt, copy=copy)
+                    return Shard(entry.path, chain.fetch(entry), fmt, copy=copy, expected=entry.samples)
                 progress = (lambda n: fq.arrived(g, n)) if fq is not None else None
                 data = chain.fetch_chunks(entry, p.first, p.last, progress)
                 assert entry.chunks is not None
                 if fmt == "wds" and p.last < len(entry.chunks.bytes) - 1:
                     data = b"".join((data, _TAR_END))
-                return Shard(entry.path, data, fmt, copy=copy)
+                return Shard(entry.path, data, fmt, copy=copy, expected=sum(entry.chunks.samples[p.first : p.last + 1]))
             finally:
                 if fq is not None:
                     fq.done(g)
