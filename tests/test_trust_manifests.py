@@ -81,6 +81,20 @@ def _hostile(rdir: Path, case: str) -> None:
         _edit(rdir / MANIFEST, edit)
 
 
+def _lower_counts(rdir: Path, less: int) -> dict[str, Any]:
+    """Lower the first shard's count and its last chunks' counts alike; the shard as now listed."""
+    d = json.loads((rdir / MANIFEST).read_text())
+    s: dict[str, Any] = d["shards"][0]
+    s["samples"] -= less
+    for i in range(len(s["chunks"]["samples"]) - 1, -1, -1):
+        take = min(less, s["chunks"]["samples"][i])
+        s["chunks"]["samples"][i] -= take
+        less -= take
+    assert less == 0
+    (rdir / MANIFEST).write_text(json.dumps(d))
+    return s
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_verify_and_inspect_refuse_a_hostile_manifest_in_one_line(split: Path, tmp_path: Path, case: str) -> None:
     out = _copy(split, tmp_path)
@@ -98,16 +112,7 @@ def test_verify_counts_each_shards_samples(split: Path, tmp_path: Path) -> None:
     out = _copy(split, tmp_path)
     rdir = out / EU
 
-    d = json.loads((rdir / MANIFEST).read_text())
-    s = d["shards"][0]
-    s["samples"] -= 5
-    need = 5  # taken from the last chunks, so chunk and shard counts still agree
-    for i in range(len(s["chunks"]["samples"]) - 1, -1, -1):
-        take = min(need, s["chunks"]["samples"][i])
-        s["chunks"]["samples"][i] -= take
-        need -= take
-    assert need == 0
-    (rdir / MANIFEST).write_text(json.dumps(d))
+    s = _lower_counts(rdir, 5)
     r = geoshard("verify", out, "--json", cwd=tmp_path, timeout=60)
     assert r.rc == 1, r.err
     report = json.loads(r.out)
@@ -128,3 +133,31 @@ def test_pull_refuses_a_hostile_bucket_manifest_before_writing(tmp_path: Path, a
     r = geoshard("pull", "--plan", plan, "--region", EU, "--to", to, cwd=tmp_path, timeout=60)
     assert_one_line(r, DataError.exit_code, f"s3://{buckets[EU]}/train/{MANIFEST}", "shards[0].samples must be an integer")
     assert snapshot(tmp_path) == before and not to.exists()
+
+
+def test_the_loader_refuses_a_shard_holding_other_than_its_manifests_count(tmp_path: Path) -> None:
+    """The shard's bytes match its hash, so every tier holds the same bytes: one DataError naming
+    the shard, not 5 samples never served (nor an IndexError in a worker when the count is higher)."""
+    from test_loaders import split as loader_split
+
+    from geoshard.loaders import make_loader
+
+    plan = loader_split(tmp_path, samples=600)
+    s = _lower_counts(tmp_path / "split" / EU, 5)
+    with pytest.raises(DataError, match=rf"{s['path']}: holds {s['samples'] + 5} samples where its manifest says {s['samples']}"):
+        for _ in make_loader(plan, region=EU, num_workers=0, batch_size=1):
+            pass
+
+
+@pytest.mark.parametrize("case", ["infinity", "too-many"])
+def test_train_refuses_a_hostile_manifest_before_it_starts(tmp_path: Path, case: str) -> None:
+    from test_loaders import split as loader_split
+
+    plan = loader_split(tmp_path, samples=600)
+    rdir = tmp_path / "split" / EU
+    _hostile(rdir, case)
+    out = tmp_path / "run"
+    args = ("--region", EU, "--out", out, "--nproc", "1", "--steps", 2, "--backend", "gloo")
+    r = geoshard("train", "--plan", plan, *args, cwd=tmp_path, timeout=180)
+    assert_one_line(r, DataError.exit_code, f"no tier has its {MANIFEST}: local:{EU}/{MANIFEST}: ", CASES[case][1])
+    assert not list(out.glob("steps-*"))  # no step was trained
