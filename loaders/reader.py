@@ -49,12 +49,12 @@ class PieceFetcher:
     def _fetch(self, p: Piece, progress: Progress | None) -> Shard:
         entry, fmt = self.manifest.shards[p.shard], self.manifest.format
         if not p.chunked:
-            return Shard(entry.path, self.chain.fetch(entry), fmt, copy=self.copy)
+            return Shard(entry.path, self.chain.fetch(entry), fmt, copy=self.copy, expected=entry.samples)
         data = self.chain.fetch_chunks(entry, p.first, p.last, progress)
         assert entry.chunks is not None
         if fmt == "wds" and p.last < len(entry.chunks.bytes) - 1:
             data = b"".join((data, _TAR_END))
-        return Shard(entry.path, data, fmt, copy=self.copy)
+        return Shard(entry.path, data, fmt, copy=self.copy, expected=sum(entry.chunks.samples[p.first : p.last + 1]))
 
 
 class WorkerReader:

@@ -50,7 +50,7 @@ class Shard:
 
     __slots__ = ("_columns", "_fields", "_keys", "_out", "_spans", "buf", "path")
 
-    def __init__(self, path: str, buf: Any, fmt: str, copy: bool = True) -> None:
+    def __init__(self, path: str, buf: Any, fmt: str, copy: bool = True, expected: int | None = None) -> None:
         self.path = path
         self.buf = buf
         self._out: Any = None  # what fields are sliced from: buf (copies) or a memoryview of it (views)
@@ -65,6 +65,8 @@ class Shard:
                 self._index_tar()
         else:
             raise DataError(f"{path}: unknown shard format {fmt!r}")
+        if expected is not None and len(self) != expected:  # the bytes matched their hash: the manifest is wrong
+            raise DataError(f"{path}: holds {len(self)} samples where its manifest says {expected}; run geoshard verify on the split")
         self._out = self.buf if copy else memoryview(self.buf).toreadonly()
 
     def __len__(self) -> int:

@@ -56,13 +56,13 @@ def test_manifest_without_the_fast_hash_still_reads_and_writes_back_unchanged() 
         "generation": 2,
         "plan_sha256": "p",
         "samples": 3,
-        "bytes": 10,
-        "shards": [{"path": "00000-0000-aaaaaaaaaaaa.tar", "samples": 3, "bytes": 10, "sha256": "a" * 64, "group": 0}],
+        "bytes": 2048,
+        "shards": [{"path": "00000-0000-aaaaaaaaaaaa.tar", "samples": 3, "bytes": 2048, "sha256": "a" * 64, "group": 0}],
     }
     rm = parse_region_manifest(json.dumps(old).encode(), "old.json")
     assert rm.shards[0].xxh3_128 == ""
     assert json.loads(rm.to_json()) == old  # no empty field appears
-    new = RegionManifest("eu-west-1", "wds", 2, "p", (ShardEntry("x.tar", 3, 10, "a" * 64, 0, "b" * 32),))
+    new = RegionManifest("eu-west-1", "wds", 2, "p", (ShardEntry("x.tar", 3, 2048, "a" * 64, 0, "b" * 32),))
     again = parse_region_manifest(new.to_json(), "new.json")
     assert again.shards[0].xxh3_128 == "b" * 32 and json.loads(new.to_json())["shards"][0]["xxh3_128"] == "b" * 32
 

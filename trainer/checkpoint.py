@@ -10,7 +10,9 @@ A checkpoint lands whole (a temporary file fsynced and renamed over, or one S3 P
 pointer and its checkpoint intact. ``path`` is relative to the target, so a copied folder or
 bucket still resumes. ``previous`` carries the older kept checkpoints' hashes: when the newest
 fails its sha256, loading falls back to them. Older checkpoints are deleted only after the pointer
-moved.
+moved. Checkpoint files are never dropped for want of a pointer: with ``latest.json`` missing or
+malformed, loading resumes from the newest file that loads (or refuses), and the next save keeps
+the newest of them as the pointer's ``previous``.
 
 Only rank 0 may call ``save`` (the trainer decides; two writers would race on the pointer). Any
 rank may call ``load_latest``, which only reads; with a local target that needs a filesystem every
@@ -46,6 +48,7 @@ POINTER = "latest.json"
 _NAME = re.compile(r"^ckpt-(\d{9,})\.pt$")
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _S3_PUT_LIMIT = 5 * 1024**3  # one PUT is atomic; above this S3 needs a multipart upload
+_POINTER_LIMIT = 1024**2  # a pointer names a few checkpoints; anything larger is not one
 
 
 def checkpoint_name(step: int) -> str:
@@ -65,8 +68,10 @@ class CheckpointEntry:
     @classmethod
     def from_json(cls, d: Any) -> CheckpointEntry:
         entry = cls(step=d["step"], path=d["path"], sha256=d["sha256"], size=d["bytes"])
-        if not (isinstance(entry.step, int) and isinstance(entry.size, int) and _NAME.match(str(entry.path))):
-            raise ValueError(f"bad entry {d!r}")
+        name = _NAME.match(str(entry.path))
+        ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (entry.step, entry.size))
+        if not (ints and name and int(name.group(1)) == entry.step and isinstance(entry.sha256, str)):
+            raise ValueError(f"bad entry {str(d)[:200]}")
         return entry
 
 
@@ -75,7 +80,9 @@ class _Transient(Exception):
 
 
 class _MalformedPointer(StorageError):
-    pass
+    def __init__(self, where: str, detail: str) -> None:
+        self.reason = f"{POINTER} is malformed ({detail})"
+        super().__init__(f"{where}: {self.reason}; fix or remove it")
 
 
 class _LocalDir:
@@ -230,10 +237,10 @@ class CheckpointStore:
         self._retry(f"writing {name}", functools.partial(self._backend.put, name, data))
         del data  # the bytes can be as large as the model; free them before the rest
         try:
-            older = self._entries()
+            older = self._entries() or self._unpointed(step)
         except _MalformedPointer as e:
             log.warning("%s; replacing it", e)
-            older = []
+            older = self._unpointed(step)
         # Entries at or above this step belong to an abandoned future (a resume from an older one).
         previous = [e for e in older if e.step < step][: self.keep - 1]
         pointer = {**entry.to_json(), "previous": [e.to_json() for e in previous]}
@@ -250,12 +257,12 @@ class CheckpointStore:
         Tensors load onto the CPU (load_state_dict moves them to the model's device), with
         ``weights_only=True``: the state may hold tensors and plain Python values, not objects.
         """
-        entries = self._entries()
+        try:
+            entries = self._entries()
+        except _MalformedPointer as e:
+            return self._recover(e.reason, e)
         if not entries:
-            stray = [n for n in self._retry("listing checkpoints", self._backend.names) if _NAME.match(n)]
-            if stray:
-                log.warning("%s: %d checkpoint files but no %s; starting from scratch", self.where, len(stray), POINTER)
-            return None
+            return self._recover(f"no {POINTER}", None)
         problems = []
         for entry in entries:
             data = self._retry(f"reading {entry.path}", functools.partial(self._backend.get, entry.path))
@@ -268,6 +275,57 @@ class CheckpointStore:
             problems.append(f"{entry.path} {problem}")
             log.warning("%s: checkpoint %s is %s; trying an older one", self.where, entry.path, problem)
         raise StorageError(f"{self.where}: no usable checkpoint: {'; '.join(problems)}")
+
+    def _files(self) -> list[tuple[int, str]]:
+        """The checkpoint files present as (step, name), newest first."""
+        names = self._retry("listing checkpoints", self._backend.names)
+        return sorted(((int(m.group(1)), n) for n in names if (m := _NAME.match(n))), reverse=True)
+
+    def _recover(self, why: str, malformed: _MalformedPointer | None) -> tuple[int, dict[str, Any]] | None:
+        """Without a usable pointer: the newest checkpoint file that loads; never a fresh start over
+        checkpoint files. Without the pointer's sha256 a file "verifies" when it loads as a dict
+        whose ``step``, if it has one, is its name's."""
+        files = self._files()
+        if not files:
+            if malformed is not None:
+                raise malformed
+            return None
+        problems = []
+        for step, name in files:
+            data = self._retry(f"reading {name}", functools.partial(self._backend.get, name))
+            state, problem = (None, "missing") if data is None else self._try_load(step, name, data)
+            if state is not None:
+                log.warning("%s: %s; resuming from %s, the newest of %d checkpoint files that loads", self.where, why, name, len(files))
+                return step, state
+            problems.append(f"{name} {problem}")
+        raise StorageError(
+            f"{self.where}: {why}, and none of its {len(files)} checkpoint files loads ({'; '.join(problems)}); "
+            f"refusing to start from scratch over them: restore {POINTER} or move them away"
+        )
+
+    def _try_load(self, step: int, name: str, data: bytes) -> tuple[dict[str, Any] | None, str]:
+        """The state in ``data`` if it is a checkpoint of ``step``, else None and why not."""
+        import pickle
+
+        try:
+            state = self._deserialize(CheckpointEntry(step, name, "", len(data)), data)
+        except (DataError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
+            return None, f"does not load ({type(e).__name__})"
+        if "step" in state and state["step"] != step:
+            return None, f"holds step {state['step']!r}"
+        return state, ""
+
+    def _unpointed(self, below: int) -> list[CheckpointEntry]:
+        """Checkpoint files no pointer names, below ``below``, newest first, as many as the next
+        pointer keeps: hashed now, so that a save after a lost pointer prunes none of them early."""
+        entries: list[CheckpointEntry] = []
+        for step, name in self._files():
+            if step >= below or len(entries) >= self.keep - 1:
+                continue
+            data = self._retry(f"reading {name}", functools.partial(self._backend.get, name))
+            if data is not None:
+                entries.append(CheckpointEntry(step, name, hashlib.sha256(data).hexdigest(), len(data)))
+        return entries
 
     def _deserialize(self, entry: CheckpointEntry, data: bytes) -> dict[str, Any]:
         import pickle
@@ -292,10 +350,14 @@ class CheckpointStore:
         if raw is None:
             return []
         try:
+            if len(raw) > _POINTER_LIMIT:
+                raise ValueError(f"{len(raw):,} bytes")
             d = json.loads(raw)
             return [CheckpointEntry.from_json(d), *(CheckpointEntry.from_json(p) for p in d.get("previous", []))]
+        except RecursionError:
+            raise _MalformedPointer(self.where, "nested too deeply") from None
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise _MalformedPointer(f"{self.where}: {POINTER} is malformed ({e}); fix or remove it") from e
+            raise _MalformedPointer(self.where, str(e)[:200]) from e
 
     def _prune(self, kept: set[str]) -> None:
         # Best effort: the checkpoint already landed, and the next save prunes what this one missed.

@@ -33,6 +33,7 @@ def check(matrix_path: Path, regions: str | None, rounds: int, throughput_s: flo
     """Build the namespaces of MATRIX, measure the forwarder's ceiling and each pair's RTT, remove them."""
     from geoshard.wan import Rehearsal, WanError, load_matrix, netns, require_root
     from geoshard.wan.measure import check as measure
+    from geoshard.wan.measure import refuse_unmeasurable
 
     matrix = load_matrix(matrix_path)
     names = None
@@ -40,6 +41,7 @@ def check(matrix_path: Path, regions: str | None, rounds: int, throughput_s: flo
         names = tuple(r.strip() for r in regions.split(",") if r.strip())
         if not names:
             raise ConfigError("--regions: give at least two comma-separated regions")
+    refuse_unmeasurable(matrix, names)
     require_root()
     t0 = time.monotonic()
     with Rehearsal(matrix, regions=names) as w:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import builtins
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from geoshard.errors import DataError
+from geoshard.manifest import checks
 from geoshard.util.paths import plain_relative
 
 MANIFEST = "manifest.json"
@@ -41,10 +43,10 @@ class ShardChunks:
     def from_dict(cls, d: Any, where: str, shard_bytes: int, shard_samples: int) -> ShardChunks:
         try:
             c = cls(
-                size=int(d["size"]),
-                bytes=tuple(int(b) for b in d["bytes"]),
-                samples=tuple(int(n) for n in d["samples"]),
-                xxh3_128=tuple(str(h) for h in d["xxh3_128"]),
+                size=checks.count(d["size"], "chunks.size", where),
+                bytes=tuple(checks.count(b, "chunks.bytes", where) for b in checks.listing(d["bytes"], "chunks.bytes", where)),
+                samples=tuple(checks.count(n, "chunks.samples", where) for n in checks.listing(d["samples"], "chunks.samples", where)),
+                xxh3_128=tuple(str(h) for h in checks.listing(d["xxh3_128"], "chunks.xxh3_128", where)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"{where}: chunks: missing or invalid {e}") from e
@@ -80,16 +82,19 @@ class ShardEntry:
         return d
 
     @classmethod
-    def from_dict(cls, s: Any, name: str) -> ShardEntry:
+    def from_dict(cls, s: Any, name: str, index: int = 0, fmt: str = "wds") -> ShardEntry:
+        field = f"shards[{index}]"
+        s = checks.mapping(s, field, name)
         path = check_relpath(str(s["path"]), name)
-        samples, size = int(s["samples"]), int(s["bytes"])
+        samples, size = checks.count(s["samples"], f"{field}.samples", name), checks.count(s["bytes"], f"{field}.bytes", name)
+        checks.samples_fit(samples, size, fmt, f"{field} ({path})", name)
         chunks = s.get("chunks")
         return cls(
             path=path,
             samples=samples,
             bytes=size,
             sha256=str(s["sha256"]),
-            group=int(s.get("group", 0)),
+            group=checks.count(s.get("group", 0), f"{field}.group", name),
             xxh3_128=str(s.get("xxh3_128", "")),
             chunks=None if chunks is None else ShardChunks.from_dict(chunks, f"{name}: shard {path}", size, samples),
         )
@@ -129,13 +134,16 @@ class RegionManifest:
     @classmethod
     def from_dict(cls, d: Any, name: str) -> RegionManifest:
         try:
-            shards = tuple(ShardEntry.from_dict(s, name) for s in d["shards"])
+            d = checks.mapping(d, "the manifest", name)
             if d["format"] not in ("wds", "tfrecord"):
                 raise DataError(f"{name}: format must be 'wds' or 'tfrecord', got {d['format']!r}")
+            entries = checks.listing(d["shards"], "shards", name)
+            shards = tuple(ShardEntry.from_dict(s, name, i, d["format"]) for i, s in enumerate(entries))
+            _no_repeats(shards, name)
             return cls(
                 region=str(d["region"]),
                 format=str(d["format"]),
-                generation=int(d.get("generation", 0)),
+                generation=checks.count(d.get("generation", 0), "generation", name),
                 plan_sha256=str(d.get("plan_sha256", "")),
                 shards=shards,
             )
@@ -204,17 +212,19 @@ class Manifest:
     @classmethod
     def from_dict(cls, d: Any, name: str) -> Manifest:
         try:
+            d = checks.mapping(d, "the manifest", name)
             regions = {}
-            for rname, r in d["regions"].items():
+            for rname, r in checks.mapping(d["regions"], "regions", name).items():
+                r = checks.mapping(r, f"regions.{rname}", name)
                 regions[rname] = RegionSummary(
                     manifest=check_relpath(str(r["manifest"]), name),
-                    shards=int(r.get("shards", 0)),
-                    samples=int(r.get("samples", 0)),
-                    bytes=int(r.get("bytes", 0)),
+                    shards=checks.count(r.get("shards", 0), f"regions.{rname}.shards", name),
+                    samples=checks.count(r.get("samples", 0), f"regions.{rname}.samples", name),
+                    bytes=checks.count(r.get("bytes", 0), f"regions.{rname}.bytes", name),
                     sha256=str(r.get("sha256", "")),
                 )
             return cls(
-                generation=int(d["generation"]),
+                generation=checks.count(d["generation"], "generation", name),
                 created=str(d.get("created", "")),
                 format=str(d["format"]),
                 plan=dict(d["plan"]),
@@ -224,12 +234,12 @@ class Manifest:
                 sources=tuple(
                     SourceEntry(
                         url=str(s["url"]),
-                        size=int(s["size"]),
+                        size=checks.count(s["size"], f"sources[{i}].size", name),
                         sha256=str(s.get("sha256", "")),
-                        group=int(s.get("group", 0)),
+                        group=checks.count(s.get("group", 0), f"sources[{i}].group", name),
                         xxh3_128=str(s.get("xxh3_128", "")),
                     )
-                    for s in d.get("sources", [])
+                    for i, s in enumerate(checks.listing(d.get("sources", []), "sources", name))
                 ),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -245,13 +255,26 @@ def check_relpath(path: str, name: str) -> str:
     return plain_relative(path, name)
 
 
+def _no_repeats(shards: tuple[ShardEntry, ...], name: str) -> None:
+    seen: set[str] = set()
+    for i, s in enumerate(shards):
+        if s.path in seen:
+            raise DataError(f"{name}: shards[{i}].path: shard {s.path} is listed twice")
+        seen.add(s.path)
+
+
 def _load_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_bytes())
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > checks.MAX_MANIFEST_BYTES:  # refused before a byte of it is read
+                raise DataError(f"{path}: {size:,} bytes, more than a manifest may hold ({checks.MAX_MANIFEST_BYTES:,})")
+            data = f.read()
     except FileNotFoundError:
         raise DataError(f"{path}: manifest not found") from None
-    except (OSError, ValueError) as e:
+    except OSError as e:
         raise DataError(f"{path}: unreadable manifest: {e}") from e
+    return checks.parse(data, str(path))
 
 
 def read_manifest(directory: str | Path) -> Manifest:
@@ -277,7 +300,4 @@ def read_region_manifest(path: str | Path) -> RegionManifest:
 
 
 def parse_region_manifest(data: bytes, name: str) -> RegionManifest:
-    try:
-        return RegionManifest.from_dict(json.loads(data), name)
-    except ValueError as e:
-        raise DataError(f"{name}: unreadable manifest: {e}") from e
+    return RegionManifest.from_dict(checks.parse(data, name), name)

@@ -2,19 +2,25 @@
 
 ``xxh3`` (the default) checks each shard's ``xxh3_128`` at memory speed, or its sha256 where the
 manifest predates the fast hash; ``sha256`` always checks the cryptographic digest (a check
-against tampering, not only against damage). The size is checked first in both.
+against tampering, not only against damage). The size is checked first in both. A shard whose
+bytes match is then counted: a manifest whose sample count differs from what the shard holds
+would make the loader serve fewer samples than it claims, or index past the end.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from geoshard.errors import DataError
+from geoshard.formats import tfrecord, wds
 from geoshard.manifest import MANIFEST, RegionManifest, ShardEntry, read_region_manifest, read_split_or_region
 from geoshard.util.hashing import FAST, file_digests
 from geoshard.util.paths import check_shard_path, plain_relative
 
 MODES = ("xxh3", "sha256")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,6 +56,24 @@ def sha256_file(path: Path) -> tuple[str, int]:
     return digests["sha256"], n
 
 
+def count_samples(path: Path, fmt: str) -> int:
+    """The samples the shard file holds, as the loader groups them."""
+    with path.open("rb") as f:
+        it = tfrecord.iter_records(f, str(path)) if fmt == "tfrecord" else wds.iter_raw_samples(f, str(path))
+        return sum(1 for _ in it)
+
+
+def _counts_match(path: Path, shard: ShardEntry, fmt: str) -> bool:
+    try:
+        n = count_samples(path, fmt)
+    except DataError as e:
+        log.warning("%s", e)
+        return False
+    if n != shard.samples:
+        log.warning("%s: holds %d samples, its manifest says %d", path, n, shard.samples)
+    return n == shard.samples
+
+
 def verify_region(rdir: Path, rm: RegionManifest, report: VerifyReport, mode: str = "xxh3") -> None:
     for s in rm.shards:
         p = rdir / check_shard_path(s.path, str(rdir / MANIFEST))
@@ -57,7 +81,7 @@ def verify_region(rdir: Path, rm: RegionManifest, report: VerifyReport, mode: st
         report.hashes.add(algorithm_for(s, mode))
         if not p.is_file():
             report.missing.append(str(p))
-        elif not shard_matches(p, s, mode):
+        elif not shard_matches(p, s, mode) or not _counts_match(p, s, rm.format):
             report.mismatched.append(str(p))
 
 
@@ -82,6 +106,7 @@ __all__ = [
     "MODES",
     "VerifyReport",
     "algorithm_for",
+    "count_samples",
     "file_digests",
     "sha256_file",
     "shard_matches",

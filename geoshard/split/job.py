@@ -39,7 +39,7 @@ from geoshard.plan import Plan
 from geoshard.plan.routing import RouteSpec
 from geoshard.split.groups import make_groups
 from geoshard.split.publish import KEYS, TMP, manifest_sha, publish
-from geoshard.split.sources import S3Access, SourceRef, expand_sources, hash_source
+from geoshard.split.sources import S3Access, SourceRef, expand_sources, hash_source, refuse_out_inside
 from geoshard.split.task import GroupResult, GroupTask, ProgressFn, TaskFailed, find_key_task
 from geoshard.util.hashing import FAST
 
@@ -109,6 +109,7 @@ def run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, progr
 def _run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, progress: ProgressFn | None) -> SplitResult:
     t0 = time.monotonic()
     out = settings.out
+    refuse_out_inside(sources, out)
     _check_out(out, plan, settings.replace)  # fail before listing sources; checked again under the lock
     refs = expand_sources(sources, settings.fmt, settings.s3)
     fmt: Format = refs[0].format

@@ -6,6 +6,7 @@ A SOURCE is a file, a folder (searched recursively for shards), a glob, a brace 
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import glob
 import gzip
@@ -13,6 +14,7 @@ import io
 import logging
 import os
 import re
+import stat
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -118,6 +120,28 @@ def expand_sources(args: Sequence[str], fmt: Format | None = None, s3: S3Access 
     return out
 
 
+def refuse_out_inside(args: Sequence[str], out: str | os.PathLike[str]) -> None:
+    """Refuse an output folder that a SOURCE folder (or a ``**`` glob) reaches: the split would
+    succeed once, then read its own shards next time and fail on every key as a duplicate."""
+    target = os.path.realpath(out)
+    for arg in args:
+        for pattern in braceexpand(arg):
+            if pattern.startswith("s3://"):
+                continue
+            parts = pattern.split(os.sep)
+            fixed = next((i for i, p in enumerate(parts) if _GLOB.search(p)), None)
+            if fixed is not None and "**" not in parts[fixed:]:
+                continue  # a glob without ** reaches only as deep as it names
+            base = pattern if fixed is None else os.sep.join(parts[:fixed]) or ("/" if pattern.startswith(os.sep) else ".")
+            if not os.path.isdir(base):
+                continue
+            root = os.path.realpath(base)
+            if target == root or target.startswith(root.rstrip(os.sep) + os.sep):
+                raise ConfigError(
+                    f"--out {out}: inside the source folder {arg}; the next split would read its shards; choose a folder outside it"
+                )
+
+
 def _expand_local(pattern: str, fmt: Format | None) -> list[SourceRef]:
     if _GLOB.search(pattern):
         _check_listable(pattern)
@@ -127,6 +151,8 @@ def _expand_local(pattern: str, fmt: Format | None) -> list[SourceRef]:
         paths = _walk(pattern)
     elif os.path.isfile(pattern):
         paths = [pattern]
+    elif os.path.lexists(pattern):
+        raise ConfigError(f"{pattern}: {_not_a_file(pattern)}; a SOURCE is a regular file, a folder or a glob")
     else:
         return []
     out = []
@@ -135,6 +161,23 @@ def _expand_local(pattern: str, fmt: Format | None) -> list[SourceRef]:
         f, gz = _sniff(ap, fmt)
         out.append(SourceRef(url=ap, size=os.path.getsize(ap), format=f, gzip=gz))
     return out
+
+
+def _not_a_file(path: str) -> str:
+    """What ``path`` is when it exists but is no regular file or folder (a source is read twice, so
+    a FIFO or a device cannot be one)."""
+    prefix = ""
+    if os.path.islink(path):
+        prefix = f"a symbolic link to {os.readlink(path)}, "
+        try:
+            mode = os.stat(path).st_mode
+        except OSError as e:
+            return prefix + ("which loops back on itself" if e.errno == errno.ELOOP else "which does not exist")
+    else:
+        mode = os.lstat(path).st_mode
+    kinds = [(stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")]
+    kinds.append((stat.S_ISSOCK, "a socket"))
+    return prefix + next((what for test, what in kinds if test(mode)), "not a regular file")
 
 
 def _check_listable(pattern: str) -> None:

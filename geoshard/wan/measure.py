@@ -13,12 +13,31 @@ import threading
 import time
 from dataclasses import dataclass
 
+from geoshard.errors import ConfigError
 from geoshard.wan import netns
 from geoshard.wan.errors import WanError
+from geoshard.wan.matrix import WanMatrix
 from geoshard.wan.rehearsal import Rehearsal
 
 TIMEOUT = 10.0
 CHUNK = 64 * 1024
+# A connection waits for the handshake (three one-way delays) within TIMEOUT, with room for the
+# queue and the forwarder's lateness; a longer link cannot be measured, only rehearsed.
+MAX_LATENCY_MS = 3000.0
+
+
+def refuse_unmeasurable(matrix: WanMatrix, regions: tuple[str, ...] | None = None) -> None:
+    """Refuse, before anything is built, a link whose latency the bounded waits cannot measure."""
+    names = matrix.check_regions(regions if regions is not None else matrix.regions)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            latency = matrix.link(a, b).latency_ms
+            if latency > MAX_LATENCY_MS:
+                raise ConfigError(
+                    f"{matrix.path}: link {a} <-> {b}: latency_ms {latency:g} is more than wan check can measure "
+                    f"(at most {MAX_LATENCY_MS:g}, its waits being bounded by {TIMEOUT:g} s); "
+                    "geoshard train --wan rehearses it as it is"
+                )
 
 
 @dataclass(frozen=True)
