@@ -30,7 +30,7 @@ from geoshard.util.retry import Backoff
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
-_ONCE = "; its later failures are counted in the report's tiers table, not logged again"
+_ONCE = "; its later failures are counted in the report's tiers table, not logged again by this process"
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,11 @@ class TierChain:
         return {name: until for name, until in self._down_until.items() if until > now}
 
     def note_cooldowns(self, cooldowns: dict[str, float]) -> None:
-        """Adopt what another process (a DataLoader worker) learned about failing tiers."""
+        """Adopt what another process (a DataLoader worker) learned about failing tiers; that
+        process logged the failure, so this one does not again (the next epoch's workers)."""
         for name, until in cooldowns.items():
             self._down_until[name] = max(self._down_until.get(name, 0.0), until)
+            self._warned.add(name)
 
     @property
     def reads_chunks(self) -> bool:
@@ -228,7 +230,8 @@ class TierChain:
                 delay = next(delays, None)
                 if delay is None:
                     self._down_until[tier.name] = self._clock() + self.settings.cooldown_s
-                    # Once per tier and process (each DataLoader worker is one): the stats count every failure.
+                    # Once per tier and process (each DataLoader worker is one), and not in a process that
+                    # inherited the tier's cooldown from one that logged it: the stats count every failure.
                     level = logging.DEBUG if tier.name in self._warned else logging.WARNING
                     self._warned.add(tier.name)
                     log.log(level, "%s failed (%s); skipping it for %.0f s%s", tier.name, e, self.settings.cooldown_s, _ONCE)

@@ -4,20 +4,16 @@ subprocess, the one-line error check, and snapshots proving nothing outside a ta
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 GEOSHARD = str(Path(sys.executable).with_name("geoshard"))
-NOBODY = 65534
 
 
 @dataclass(frozen=True)
@@ -76,26 +72,16 @@ def published(out: Path) -> list[str]:
     return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.suffix in (".json", ".tar", ".tfrecord"))
 
 
-@contextmanager
-def shared_dir() -> Iterator[Path]:
-    """A folder another user (nobody) can use; pytest's own tmp folders are private to root."""
-    d = Path(tempfile.mkdtemp(prefix="geoshard-guarantee-"))
-    d.chmod(0o777)
-    try:
-        yield d
-    finally:
-        for p in [d, *d.rglob("*")]:
-            if p.is_dir() and not p.is_symlink():
-                p.chmod(0o777)
-        shutil.rmtree(d, ignore_errors=True)
-
-
 def as_user(tmp: Path) -> tuple[list[str], dict[str, str]]:
-    """A prefix running the command as an unprivileged user (root reads anything, a user does not)."""
+    """A prefix running the command without the capabilities that let root read and write anything.
+
+    The uid stays, so the command can still run from a checkout only root may enter (a home folder,
+    a ``mktemp -d`` folder): an empty bounding set and no inheritable or ambient capabilities give
+    an exec'd root process none, so file permissions apply to it as to any user."""
     env = {"HOME": str(tmp), "TMPDIR": str(tmp)}
     if os.getuid() != 0:
         return [], env
-    return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"], env
+    return ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--"], env
 
 
 class BlackHole:

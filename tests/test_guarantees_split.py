@@ -10,21 +10,15 @@ import os
 import shutil
 import struct
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from guaranteekit import as_user, assert_one_line, geoshard, published, shared_dir, snapshot
+from guaranteekit import as_user, assert_one_line, geoshard, published, snapshot
 from splitkit import make_corpus, write_plan
 from test_dask_cluster import cluster  # noqa: F401 - real dask scheduler and worker processes
 
 from geoshard.formats import tfrecord, wds
-
-
-@pytest.fixture
-def shared() -> Iterator[Path]:
-    with shared_dir() as d:
-        yield d
 
 
 def _split(
@@ -51,36 +45,36 @@ def _tar_cut_at_sample(path: Path, samples: int, keep: int) -> None:
 
 
 @pytest.mark.parametrize("form", ["folder", "src/**/*.tar", "src/*/*.tar"])
-def test_unreadable_subfolder_is_an_error_naming_it(shared: Path, form: str) -> None:
-    make_corpus(shared / "gen", samples=1000, shard_samples=500)
-    src = shared / "src"
+def test_unreadable_subfolder_is_an_error_naming_it(tmp_path: Path, form: str) -> None:
+    make_corpus(tmp_path / "gen", samples=1000, shard_samples=500)
+    src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)
-    tars = sorted((shared / "gen").glob("*.tar"))
+    tars = sorted((tmp_path / "gen").glob("*.tar"))
     shutil.move(tars[0], src / tars[0].name)
     shutil.move(tars[1], src / "sub" / tars[1].name)
     (src / "sub").chmod(0)
-    write_plan(shared / "plan.toml", shard_bytes="64KB")
-    before = snapshot(shared, skip=shared / "out")
-    prefix, env = as_user(shared)
-    source = src if form == "folder" else shared / form  # globs too: glob itself skips what it cannot list
-    r = _split(shared, source, "--workers", "1", prefix=prefix, env=env)
+    write_plan(tmp_path / "plan.toml", shard_bytes="64KB")
+    before = snapshot(tmp_path, skip=tmp_path / "out")
+    prefix, env = as_user(tmp_path)
+    source = src if form == "folder" else tmp_path / form  # globs too: glob itself skips what it cannot list
+    r = _split(tmp_path, source, "--workers", "1", prefix=prefix, env=env)
     assert_one_line(r, 1, f"{src / 'sub'}: cannot list source folder (Permission denied)")
-    assert published(shared / "out") == []
-    assert snapshot(shared, skip=shared / "out") == before
+    assert published(tmp_path / "out") == []
+    assert snapshot(tmp_path, skip=tmp_path / "out") == before
 
 
-def test_tar_cut_at_a_member_header_is_an_error_unless_allowed(shared: Path) -> None:
-    src = shared / "src"
+def test_tar_cut_at_a_member_header_is_an_error_unless_allowed(tmp_path: Path) -> None:
+    src = tmp_path / "src"
     make_corpus(src, samples=500, shard_samples=500)
     _tar_cut_at_sample(src / "zz-cut.tar", 500, 250)
-    write_plan(shared / "plan.toml", shard_bytes="64KB")
-    before = snapshot(shared, skip=shared / "out")
-    r = _split(shared, src, "--workers", "1")
+    write_plan(tmp_path / "plan.toml", shard_bytes="64KB")
+    before = snapshot(tmp_path, skip=tmp_path / "out")
+    r = _split(tmp_path, src, "--workers", "1")
     assert_one_line(r, 1, f"{src / 'zz-cut.tar'}: tar ends at byte", "without end-of-archive blocks")
-    assert published(shared / "out") == []
-    assert snapshot(shared, skip=shared / "out") == before
+    assert published(tmp_path / "out") == []
+    assert snapshot(tmp_path, skip=tmp_path / "out") == before
 
-    ok = _split(shared, src, "--workers", "1", "--allow-truncated-tar", "--json")
+    ok = _split(tmp_path, src, "--workers", "1", "--allow-truncated-tar", "--json")
     assert ok.rc == 0, ok.err
     assert (
         ok.err.strip() == f"geoshard: warning: {src / 'zz-cut.tar'}: tar ends without end-of-archive blocks; split the 250 samples it holds"
@@ -195,27 +189,27 @@ def test_infinite_weight_is_a_config_error(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-def test_unreadable_source_file_is_one_line(shared: Path) -> None:
-    make_corpus(shared / "src", samples=100, shard_samples=50)
-    victim = sorted((shared / "src").glob("*.tar"))[1]
+def test_unreadable_source_file_is_one_line(tmp_path: Path) -> None:
+    make_corpus(tmp_path / "src", samples=100, shard_samples=50)
+    victim = sorted((tmp_path / "src").glob("*.tar"))[1]
     victim.chmod(0)
-    prefix, env = as_user(shared)
-    write_plan(shared / "plan.toml", shard_bytes="64KB")
-    before = snapshot(shared, skip=shared / "out")
-    r = _split(shared, victim.parent, "--workers", "1", prefix=prefix, env=env)
+    prefix, env = as_user(tmp_path)
+    write_plan(tmp_path / "plan.toml", shard_bytes="64KB")
+    before = snapshot(tmp_path, skip=tmp_path / "out")
+    r = _split(tmp_path, victim.parent, "--workers", "1", prefix=prefix, env=env)
     assert_one_line(r, 1, f"{victim}: cannot read source (Permission denied)")
-    assert published(shared / "out") == []
-    assert snapshot(shared, skip=shared / "out") == before
+    assert published(tmp_path / "out") == []
+    assert snapshot(tmp_path, skip=tmp_path / "out") == before
 
 
-def test_unwritable_out_is_one_line(shared: Path) -> None:
-    make_corpus(shared / "src", samples=100)
-    locked = shared / "locked"
+def test_unwritable_out_is_one_line(tmp_path: Path) -> None:
+    make_corpus(tmp_path / "src", samples=100)
+    locked = tmp_path / "locked"
     locked.mkdir()
-    locked.chmod(0o555)  # no one but root may create --out inside it (and the command does not run as root)
-    prefix, env = as_user(shared)
-    plan = write_plan(shared / "plan.toml")
-    r = geoshard("split", shared / "src", "--plan", plan, "--out", locked / "out", "--workers", "1", cwd=shared, prefix=prefix, env=env)
+    locked.chmod(0o555)  # no one may create --out inside it but with root's capabilities, which the command runs without
+    prefix, env = as_user(tmp_path)
+    plan = write_plan(tmp_path / "plan.toml")
+    r = geoshard("split", tmp_path / "src", "--plan", plan, "--out", locked / "out", "--workers", "1", cwd=tmp_path, prefix=prefix, env=env)
     assert_one_line(r, 2, f"--out {locked / 'out'}: cannot write there (Permission denied)")
     assert not (locked / "out").exists()
 

@@ -323,6 +323,7 @@ LAZY_COMMANDS = {
     "train": "geoshard.cli.train:train",
     "report": "geoshard.cli.report:report",
     "wan": "geoshard.cli.wan:wan",
+    "s3": "geoshard.cli.s3:s3",
 }
 
 

@@ -94,6 +94,27 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something holds ``host:port`` now (SO_REUSEADDR as weed binds, so TIME_WAIT does not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def saved_keys(root: str | Path) -> tuple[str, str] | None:
+    """The access and secret key an earlier server on ``root`` generated (its identities file), if any."""
+    try:
+        doc = json.loads((Path(root) / "identities.json").read_text())
+        cred = doc["identities"][0]["credentials"][0]
+        return str(cred["accessKey"]), str(cred["secretKey"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
 def closed_port(host: str = "127.0.0.1") -> int:
     """A port on ``host`` that nothing listens on (for "endpoint is down" tests)."""
     return free_ports(1, host)[0]
@@ -118,7 +139,9 @@ class SeaweedS3:
     host = "127.0.0.1"
     region = "us-east-1"
 
-    def __init__(self, root: str | Path | None = None, *, access_key: str | None = None, secret_key: str | None = None) -> None:
+    def __init__(
+        self, root: str | Path | None = None, *, access_key: str | None = None, secret_key: str | None = None, s3_port: int | None = None
+    ) -> None:
         self._own_root = root is None
         # Short paths: the unix sockets weed creates must fit in sun_path (108 bytes).
         self.root = Path(tempfile.mkdtemp(prefix="seaweed-") if root is None else root).resolve()
@@ -130,6 +153,7 @@ class SeaweedS3:
         self.access_key = access_key or "GSTEST" + secrets.token_hex(7).upper()
         self.secret_key = secret_key or secrets.token_urlsafe(30)
         self.ports: dict[str, int] = {}
+        self._s3_port = s3_port  # None: a free one
         self._proc: subprocess.Popen[bytes] | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
         self._log: Any = None
@@ -253,7 +277,7 @@ class SeaweedS3:
         first = not self.ports
         for attempt in range(3 if first else 1):
             if first:
-                self.ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS), self.host), strict=True))
+                self.ports = self._choose_ports()
             self._spawn()
             try:
                 self._wait_ready(timeout)
@@ -265,6 +289,12 @@ class SeaweedS3:
                 if not (first and lost_race and attempt < 2):
                     raise
         raise AssertionError("unreachable")
+
+    def _choose_ports(self) -> dict[str, int]:
+        others = [p for p in free_ports(len(PORT_FLAGS), self.host) if p != self._s3_port]
+        if self._s3_port is None:
+            return dict(zip(PORT_FLAGS, others, strict=True))
+        return {"s3.port": self._s3_port, **dict(zip(PORT_FLAGS[1:], others, strict=False))}
 
     def stop(self, grace: float = STOP_GRACE) -> None:
         """SIGTERM the process group, wait ``grace`` seconds, then SIGKILL it; idempotent."""

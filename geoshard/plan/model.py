@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from geoshard.errors import ConfigError
 from geoshard.plan.names import is_region_name, region_name_problem
+from geoshard.plan.sniff import refuse_other_files
 from geoshard.util import tomlfile
 from geoshard.util.paths import plain_relative
 from geoshard.util.units import parse_size
@@ -144,6 +145,7 @@ def load_plan(path: str | Path) -> Plan:
 
 
 def parse_plan(text: str, source: str = "plan") -> Plan:
+    refuse_other_files(text, source)
     return plan_from_dict(tomlfile.loads(text, source), source=source, text=text)
 
 
