@@ -27,6 +27,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from geoshard.env import Environment, read_environment
 from geoshard.errors import ConfigError, GeoshardError
+from geoshard.formats import format_spec
 from geoshard.loaders.balance import Balance, balance
 from geoshard.loaders.chain import ChainSettings, TierChain, build_chain
 from geoshard.loaders.decode import DecodeSpec, apply, collate, make_decoder, pack, tensor_spec
@@ -44,7 +45,6 @@ log = logging.getLogger(__name__)
 # 2: keyed by region and rank within the region; 3: shuffle windows grow from one batch (epoch.py),
 # so a position saved under 2 would point into another order: refused, not resumed wrongly.
 STATE_VERSION = 3
-_TAR_END = bytes(1024)  # a piece of a tar that ends before the shard does gets end blocks to parse alone
 _STATS_EVERY_S = 0.25  # how often a DataLoader worker ships its counters with a batch
 
 
@@ -405,8 +405,9 @@ class RegionalDataset(IterableDataset[Any]):
                 progress = (lambda n: fq.arrived(g, n)) if fq is not None else None
                 data = chain.fetch_chunks(entry, p.first, p.last, progress)
                 assert entry.chunks is not None
-                if fmt == "wds" and p.last < len(entry.chunks.bytes) - 1:
-                    data = b"".join((data, _TAR_END))
+                end = format_spec(fmt).trailer  # a piece that ends before the shard does gets the end to parse alone
+                if end and p.last < len(entry.chunks.bytes) - 1:
+                    data = b"".join((data, end))
                 return Shard(entry.path, data, fmt, copy=copy)
             finally:
                 if fq is not None:

@@ -16,6 +16,7 @@ from splitkit import tar_bytes
 from geoshard.errors import DataError
 from geoshard.formats import example, tfrecord, wds
 from geoshard.formats._window import Window
+from geoshard.formats.wds import reader
 
 
 def _records(n: int, seed: int = 0) -> list[bytes]:
@@ -158,7 +159,7 @@ def test_fast_and_slow_paths_agree_and_output_is_compact() -> None:
     samples = _samples(3000)
     data = _geoshard_tar(samples)
     fast = list(wds.iter_raw_samples(io.BytesIO(data), "t"))
-    slow = list(wds._slow_samples(Window(io.BytesIO(data)), "t"))
+    slow = list(reader._slow_samples(Window(io.BytesIO(data)), "t"))
     assert fast == slow and len(fast) == 3000
     pax = _stdlib_tar(samples, tarfile.PAX_FORMAT)
     assert list(wds.iter_raw_samples(io.BytesIO(pax), "t")) != []

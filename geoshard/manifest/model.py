@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from geoshard.errors import DataError
+from geoshard.formats import FORMATS
 from geoshard.util.paths import plain_relative
 
 MANIFEST = "manifest.json"
@@ -130,7 +131,7 @@ class RegionManifest:
     def from_dict(cls, d: Any, name: str) -> RegionManifest:
         try:
             shards = tuple(ShardEntry.from_dict(s, name) for s in d["shards"])
-            if d["format"] not in ("wds", "tfrecord"):
+            if d["format"] not in FORMATS:
                 raise DataError(f"{name}: format must be 'wds' or 'tfrecord', got {d['format']!r}")
             return cls(
                 region=str(d["region"]),
