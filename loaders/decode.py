@@ -37,7 +37,7 @@ def make_decoder(spec: DecodeSpec, fmt: str) -> Callable[[Any], Any] | None:
         return None
     fs = format_spec(fmt)
     if spec == "example":
-        decoder = fs.decoders.get("example")
+        decoder = fs.load.decoders.get("example")
         if decoder is None:
             raise ConfigError(f"decode='example' parses TFRecord records; this region's shards are {fmt}")
         return decoder

@@ -35,7 +35,7 @@ class Shard:
 
     def __init__(self, path: str, buf: Any, fmt: str, copy: bool = True) -> None:
         self.path = path
-        index = format_spec(fmt, path).index(buf, path)
+        index = format_spec(fmt, path).load.index(buf, path)
         self.buf = index.buf  # the shard, or (foreign tars) its fields copied out once
         self._keys = index.keys
         self._columns = index.columns  # (field, starts, ends): uniform tars

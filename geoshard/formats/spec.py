@@ -46,20 +46,34 @@ class SynthSample:
 
 
 @dataclass(frozen=True)
+class SplitHooks:
+    """How the split reads a source of this format."""
+
+    batches: Callable[[Readable, str, int | None, OnUnterminated | None], Iterator[SampleBatch]]
+    keyed_by_feature: bool  # samples carry no key of their own: routing.key names the feature that holds it
+    feature_keys: Callable[[list[bytes], str, str, int], list[bytes]] | None  # (bodies, feature, source, first index)
+    field_value: Callable[[RouteSpec, str], FieldValue]  # the routing field's reader for one source
+
+
+@dataclass(frozen=True)
+class LoadHooks:
+    """How the loaders read a fetched shard of this format."""
+
+    index: Callable[[Any, str], ShardIndex]  # its sample positions (its bytes were verified)
+    decoders: Mapping[str, Callable[[Any], Any]]  # decode= names this format's samples accept
+
+
+@dataclass(frozen=True)
 class FormatSpec:
     name: str
     suffix: str  # of the shards the split writes
     extensions: tuple[str, ...]  # source file names of this format (before an optional .gz)
+    detect: Callable[[bytes], bool]  # whether a file's first 512 bytes are of this format
     trailer: bytes  # what ends a shard: a piece cut from one gets it to parse alone
     named_fields: bool  # samples are dicts of named byte fields (webdataset decoders, TensorSpec, the built-in model)
-    keyed_by_feature: bool  # samples carry no key of their own: routing.key names the feature that holds it
-    detect: Callable[[bytes], bool]  # whether a file's first 512 bytes are of this format
-    batches: Callable[[Readable, str, int | None, OnUnterminated | None], Iterator[SampleBatch]]
-    feature_keys: Callable[[list[bytes], str, str, int], list[bytes]] | None  # (bodies, feature, source, first index)
-    field_value: Callable[[RouteSpec, str], FieldValue]  # the routing field's reader for one source
-    index: Callable[[Any, str], ShardIndex]  # a fetched shard's sample positions (its bytes were verified)
-    decoders: Mapping[str, Callable[[Any], Any]]  # decode= names this format's samples accept
+    split: SplitHooks
+    load: LoadHooks
     write_synthetic: Callable[[BinaryIO, Iterable[SynthSample]], None]
 
 
-__all__ = ["FieldValue", "FormatSpec", "OnUnterminated", "SampleBatch", "ShardIndex", "SynthSample"]
+__all__ = ["FieldValue", "FormatSpec", "LoadHooks", "OnUnterminated", "SampleBatch", "ShardIndex", "SplitHooks", "SynthSample"]

@@ -113,7 +113,7 @@ def _run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, prog
     refs = expand_sources(sources, settings.fmt, settings.s3)
     fmt: Format = refs[0].format
     route = RouteSpec(plan, fmt)
-    keyed_by_feature = format_spec(fmt).keyed_by_feature
+    keyed_by_feature = format_spec(fmt).split.keyed_by_feature
     if plan.routing.key and not keyed_by_feature:
         log.info("routing.key applies to TFRecord only; WebDataset samples route by __key__")
     with _locked(out):

@@ -197,7 +197,7 @@ def find_key(tasks: tuple[GroupTask, ...], h: int) -> tuple[str, list[str]]:
 def _keys(task: GroupTask, spec: FormatSpec, url: str, stream: Readable) -> Iterator[bytes]:
     n = 0
     allow = (lambda offset: None) if task.allow_truncated_tar else None  # the split already reported it
-    for keys, raws, bodies in spec.batches(stream, url, None, allow):
+    for keys, raws, bodies in spec.split.batches(stream, url, None, allow):
         yield from _keyed(task, spec, url, keys, bodies, n) or ()
         n += len(raws)
 
@@ -207,8 +207,8 @@ def _keyed(
 ) -> list[bytes] | None:
     """A batch's sample keys: their own, else the routing.key feature's, else None (no keys)."""
     if keys is None and task.key_feature is not None:
-        assert spec.feature_keys is not None and bodies is not None
-        return spec.feature_keys(bodies, task.key_feature, url, first)
+        assert spec.split.feature_keys is not None and bodies is not None
+        return spec.split.feature_keys(bodies, task.key_feature, url, first)
     return keys
 
 
@@ -235,12 +235,12 @@ def _route(
     lookup, one list append. The writers write out their views of a batch before the next one
     overwrites the window's reused buffer."""
     route = task.route
-    value = spec.field_value(route, url) if route.policy == "field" else None
+    value = spec.split.field_value(route, url) if route.policy == "field" else None
     adds = [w.add for w in sinks.writers]
     releases = [w.release for w in sinks.writers]
     allow = unterminated if task.allow_truncated_tar else None
     n = 0
-    for own, raws, bodies in spec.batches(stream, url, size, allow):
+    for own, raws, bodies in spec.split.batches(stream, url, size, allow):
         keys = _keyed(task, spec, url, own, bodies, n)
         # Samples without keys route by a hash of their bytes and are not checked for duplicates.
         hs = _remember(keys, url, sinks) if keys is not None else [key_hash(b) for b in bodies or raws]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from geoshard.errors import DataError
 from geoshard.formats._window import Readable
 from geoshard.formats.keys import check_key
-from geoshard.formats.spec import FieldValue, FormatSpec, OnUnterminated, SampleBatch, ShardIndex, SynthSample
+from geoshard.formats.spec import FieldValue, FormatSpec, LoadHooks, OnUnterminated, SampleBatch, ShardIndex, SplitHooks, SynthSample
 from geoshard.formats.tfrecord.example import encode_example, feature_key, parse_example_arrays
 from geoshard.formats.tfrecord.framing import EXTENSIONS, TFRecordWriter, iter_framed
 
@@ -88,14 +88,10 @@ SPEC = FormatSpec(
     name="tfrecord",
     suffix=".tfrecord",
     extensions=EXTENSIONS,
-    trailer=b"",
+    load=LoadHooks(index=_index, decoders=MappingProxyType({"example": parse_example_arrays})),
     named_fields=False,
-    keyed_by_feature=True,
     detect=_detect,
-    batches=_batches,
-    feature_keys=_feature_keys,
-    field_value=_field_value,
-    index=_index,
-    decoders=MappingProxyType({"example": parse_example_arrays}),
+    trailer=b"",
+    split=SplitHooks(batches=_batches, keyed_by_feature=True, feature_keys=_feature_keys, field_value=_field_value),
     write_synthetic=_write_synthetic,
 )

@@ -8,7 +8,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from geoshard.formats._window import Readable
-from geoshard.formats.spec import FieldValue, FormatSpec, OnUnterminated, SampleBatch, SynthSample
+from geoshard.formats.spec import FieldValue, FormatSpec, LoadHooks, OnUnterminated, SampleBatch, SplitHooks, SynthSample
 from geoshard.formats.wds.index import index_tar
 from geoshard.formats.wds.reader import EXTENSIONS, iter_raw_windows
 from geoshard.formats.wds.writer import BLOCK, TarWriter
@@ -52,14 +52,10 @@ SPEC = FormatSpec(
     name="wds",
     suffix=".tar",
     extensions=EXTENSIONS,
-    trailer=bytes(2 * BLOCK),  # the end-of-archive blocks
+    load=LoadHooks(index=index_tar, decoders=MappingProxyType({})),
     named_fields=True,
-    keyed_by_feature=False,
     detect=_detect,
-    batches=_batches,
-    feature_keys=None,
-    field_value=_field_value,
-    index=index_tar,
-    decoders=MappingProxyType({}),
+    trailer=bytes(2 * BLOCK),  # the end-of-archive blocks
+    split=SplitHooks(batches=_batches, keyed_by_feature=False, feature_keys=None, field_value=_field_value),
     write_synthetic=_write_synthetic,
 )
