@@ -14,7 +14,7 @@ import pytest
 from splitkit import tar_bytes
 
 from geoshard.errors import DataError
-from geoshard.formats import example, tfrecord, wds
+from geoshard.formats import FORMATS, SHARD_SUFFIX, detect_format, example, format_of_name, format_spec, tfrecord, wds
 from geoshard.formats._window import Window
 from geoshard.formats.wds import reader
 
@@ -25,6 +25,22 @@ def _records(n: int, seed: int = 0) -> list[bytes]:
 
 
 # --- TFRecord ---------------------------------------------------------------------------------
+
+
+def test_registry_names_each_format_and_refuses_an_unknown_one() -> None:
+    """Every module asks the registry: names, suffixes, detection, and one clear error for a format it does not know."""
+    assert FORMATS == ("wds", "tfrecord") and dict(SHARD_SUFFIX) == {"wds": ".tar", "tfrecord": ".tfrecord"}
+    assert [format_spec(f).name for f in FORMATS] == list(FORMATS)
+    assert (
+        format_of_name("s3://b/x/train-0.TFRecords.gz") == "tfrecord"
+        and format_of_name("a.tar") == "wds"
+        and format_of_name("a.zip") is None
+    )
+    buf = io.BytesIO()
+    wds.TarWriter(buf).write_sample([(b"k.txt", b"x")])
+    assert detect_format(buf.getvalue()[:512]) == "wds" and detect_format(tfrecord.frame(b"x")) is None
+    with pytest.raises(DataError, match=r"shard\.bin: unknown shard format 'parquet'; geoshard reads wds or tfrecord"):
+        format_spec("parquet", "shard.bin")
 
 
 def test_tfrecord_round_trip_and_framing() -> None:
