@@ -25,34 +25,25 @@ from typing import Any, Union
 import numpy as np
 
 from geoshard.errors import ConfigError, DataError
-from geoshard.formats.example import ExampleError, parse_example
+from geoshard.formats import format_spec
+from geoshard.formats.example import ExampleError
 
 DecodeSpec = Union[str, Sequence[Any], Callable[[Any], Any], "TensorSpec", None]
-
-
-def parse_example_arrays(record: bytes) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, values in parse_example(record).items():
-        if values and isinstance(values[0], bytes):
-            out[name] = values
-        elif values and isinstance(values[0], float):
-            out[name] = np.asarray(values, dtype=np.float32)
-        else:
-            out[name] = np.asarray(values, dtype=np.int64)
-    return out
 
 
 def make_decoder(spec: DecodeSpec, fmt: str) -> Callable[[Any], Any] | None:
     """A per-sample decoder; None for raw samples and for a ``TensorSpec`` (it decodes whole batches)."""
     if spec is None or isinstance(spec, TensorSpec):
         return None
+    fs = format_spec(fmt)
     if spec == "example":
-        if fmt != "tfrecord":
+        decoder = fs.load.decoders.get("example")
+        if decoder is None:
             raise ConfigError(f"decode='example' parses TFRecord records; this region's shards are {fmt}")
-        return parse_example_arrays
+        return decoder
     if callable(spec):
         return spec
-    if fmt != "wds":
+    if not fs.named_fields:
         raise ConfigError(f"decode={spec!r}: webdataset decoders apply to WebDataset samples; this region's shards are {fmt}")
     from webdataset import autodecode
 
@@ -209,7 +200,7 @@ def tensor_spec(spec: DecodeSpec, fmt: str, batch_size: int | None) -> TensorSpe
     """``spec`` if it is a ``TensorSpec`` usable here (WebDataset shards, batches), else None."""
     if not isinstance(spec, TensorSpec):
         return None
-    if fmt != "wds":
+    if not format_spec(fmt).named_fields:
         raise ConfigError(f"decode=TensorSpec(...) reads WebDataset fields; this region's shards are {fmt}")
     if batch_size is None:
         raise ConfigError("decode=TensorSpec(...) makes batches: pass batch_size")

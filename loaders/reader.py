@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from geoshard.formats import format_spec
 from geoshard.loaders.chain import TierChain
 from geoshard.loaders.decode import apply
 from geoshard.loaders.fetchqueue import FetchQueue
@@ -21,8 +22,6 @@ from geoshard.loaders.prefetch import Prefetcher
 from geoshard.loaders.shard import Shard
 from geoshard.loaders.tier import Progress
 from geoshard.manifest import RegionManifest
-
-_TAR_END = bytes(1024)  # a piece of a tar that ends before the shard does gets end blocks to parse alone
 
 
 class PieceFetcher:
@@ -52,8 +51,9 @@ class PieceFetcher:
             return Shard(entry.path, self.chain.fetch(entry), fmt, copy=self.copy, expected=entry.samples)
         data = self.chain.fetch_chunks(entry, p.first, p.last, progress)
         assert entry.chunks is not None
-        if fmt == "wds" and p.last < len(entry.chunks.bytes) - 1:
-            data = b"".join((data, _TAR_END))
+        end = format_spec(fmt).trailer  # a piece that ends before the shard does gets the end to parse alone
+        if end and p.last < len(entry.chunks.bytes) - 1:
+            data = b"".join((data, end))
         return Shard(entry.path, data, fmt, copy=self.copy, expected=sum(entry.chunks.samples[p.first : p.last + 1]))
 
 

@@ -14,8 +14,9 @@ import pytest
 from splitkit import tar_bytes
 
 from geoshard.errors import DataError
-from geoshard.formats import example, tfrecord, wds
+from geoshard.formats import FORMATS, SHARD_SUFFIX, detect_format, example, format_of_name, format_spec, tfrecord, wds
 from geoshard.formats._window import Window
+from geoshard.formats.wds import reader
 
 
 def _records(n: int, seed: int = 0) -> list[bytes]:
@@ -24,6 +25,22 @@ def _records(n: int, seed: int = 0) -> list[bytes]:
 
 
 # --- TFRecord ---------------------------------------------------------------------------------
+
+
+def test_registry_names_each_format_and_refuses_an_unknown_one() -> None:
+    """Every module asks the registry: names, suffixes, detection, and one clear error for a format it does not know."""
+    assert FORMATS == ("wds", "tfrecord") and dict(SHARD_SUFFIX) == {"wds": ".tar", "tfrecord": ".tfrecord"}
+    assert [format_spec(f).name for f in FORMATS] == list(FORMATS)
+    assert (
+        format_of_name("s3://b/x/train-0.TFRecords.gz") == "tfrecord"
+        and format_of_name("a.tar") == "wds"
+        and format_of_name("a.zip") is None
+    )
+    buf = io.BytesIO()
+    wds.TarWriter(buf).write_sample([(b"k.txt", b"x")])
+    assert detect_format(buf.getvalue()[:512]) == "wds" and detect_format(tfrecord.frame(b"x")) is None
+    with pytest.raises(DataError, match=r"shard\.bin: unknown shard format 'parquet'; geoshard reads wds or tfrecord"):
+        format_spec("parquet", "shard.bin")
 
 
 def test_tfrecord_round_trip_and_framing() -> None:
@@ -158,7 +175,7 @@ def test_fast_and_slow_paths_agree_and_output_is_compact() -> None:
     samples = _samples(3000)
     data = _geoshard_tar(samples)
     fast = list(wds.iter_raw_samples(io.BytesIO(data), "t"))
-    slow = list(wds._slow_samples(Window(io.BytesIO(data)), "t"))
+    slow = list(reader._slow_samples(Window(io.BytesIO(data)), "t"))
     assert fast == slow and len(fast) == 3000
     pax = _stdlib_tar(samples, tarfile.PAX_FORMAT)
     assert list(wds.iter_raw_samples(io.BytesIO(pax), "t")) != []

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from geoshard.env import read_environment
 from geoshard.errors import ConfigError
+from geoshard.formats import format_spec
 from geoshard.plan import Plan, load_plan
 from geoshard.trainer.config import TrainConfig
 
@@ -60,7 +61,7 @@ def model_layout(plan: Plan, region: str) -> None:
 
     ds = RegionalDataset(plan, region=region, shuffle=False, prefetch=1, region_rank=0, region_size=1)
     hint = "measure your own data with --model none --step-time 80ms, or train your model on geoshard.loaders (docs/cli.md)"
-    if ds.manifest.format != "wds":
+    if not format_spec(ds.manifest.format).named_fields:
         raise ConfigError(
             f"region {region}: its shards are {ds.manifest.format}; the built-in model reads WebDataset samples "
             f"with {' and '.join(MODEL_FIELDS)} fields; {hint}"

@@ -1,30 +1,28 @@
-"""Shard formats: one module per format, and how a file's format is recognised."""
+"""Shard formats: one folder per format (``wds/``, ``tfrecord/``) behind one registry.
+
+Other modules ask :func:`format_spec` what a format does; ``wds``, ``tfrecord``, ``example`` and
+``tarscan`` stay importable from here.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from geoshard.formats import example, tarscan, tfrecord, wds
+from geoshard.formats.registry import FORMATS, SHARD_SUFFIX, Format, detect_format, format_of_name, format_spec, is_gzip_name
+from geoshard.formats.spec import FormatSpec, ShardIndex, SynthSample
 
-from geoshard.formats import tfrecord, wds
-
-Format = Literal["wds", "tfrecord"]
-FORMATS: tuple[str, ...] = ("wds", "tfrecord")
-SHARD_SUFFIX = {"wds": ".tar", "tfrecord": ".tfrecord"}
-
-
-def format_of_name(name: str) -> Format | None:
-    """Format implied by a file name (``.tar``, ``.tfrecord``, ``.tfrecord.gz``...), else None."""
-    base = name.rsplit("/", 1)[-1].lower()
-    if base.endswith(".gz"):
-        base = base[:-3]
-    if base.endswith(wds.EXTENSIONS):
-        return "wds"
-    if base.endswith(tfrecord.EXTENSIONS):
-        return "tfrecord"
-    return None
-
-
-def is_gzip_name(name: str) -> bool:
-    return name.lower().endswith(".gz")
-
-
-__all__ = ["FORMATS", "SHARD_SUFFIX", "Format", "format_of_name", "is_gzip_name", "tfrecord", "wds"]
+__all__ = [
+    "FORMATS",
+    "SHARD_SUFFIX",
+    "Format",
+    "FormatSpec",
+    "ShardIndex",
+    "SynthSample",
+    "detect_format",
+    "example",
+    "format_of_name",
+    "format_spec",
+    "is_gzip_name",
+    "tarscan",
+    "tfrecord",
+    "wds",
+]

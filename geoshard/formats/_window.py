@@ -69,7 +69,7 @@ class ReusedWindow(Window):
     """A window that reads into one buffer it keeps, with ``readinto`` where the stream has it.
 
     :class:`Window` pays two copies per byte: ``read`` into a fresh object, then the join with
-    what was left; here the bytes land once, in place (~0.3-0.5 CPU-s per GB less in the split).
+    what was left; here the bytes land once, in place (less CPU per byte: docs/benchmarks.md).
     The price is the lifetime: ``buf`` is a memoryview that the next :meth:`fill` overwrites, so a
     caller must be done with every view it cut from it (the split flushes its writers per window).
     :meth:`detach` hands the rest to a plain :class:`Window` (the member-by-member reader)."""

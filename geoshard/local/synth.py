@@ -8,19 +8,17 @@ random), an integer label and an ``origin`` region. WebDataset samples are ``<ke
 
 from __future__ import annotations
 
-import json
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from geoshard.errors import ConfigError
-from geoshard.formats import Format, tfrecord, wds
-from geoshard.formats.example import encode_example
+from geoshard.formats import SHARD_SUFFIX, Format, SynthSample, format_spec
 
 NUM_CLASSES = 10
-_NAME = re.compile(r"^train-\d{5}\.(tar|tfrecord)$")
+_NAME = re.compile(r"^train-\d{5}(" + "|".join(re.escape(s) for s in SHARD_SUFFIX.values()) + ")$")
 
 
 @dataclass(frozen=True)
@@ -65,32 +63,23 @@ def synth(spec: SynthSpec) -> list[Path]:
     base = bytes((i * 7 + (i >> 3)) & 0xFF for i in range(1021))
     paths = []
     nshards = (spec.samples + spec.shard_samples - 1) // spec.shard_samples
-    suffix = ".tar" if spec.fmt == "wds" else ".tfrecord"
-    i = 0
+    fs = format_spec(spec.fmt)
     for s in range(nshards):
-        path = spec.out / f"train-{s:05d}{suffix}"
+        path = spec.out / f"train-{s:05d}{fs.suffix}"
         with open(path, "wb") as f:
-            tw = wds.TarWriter(f)
-            tf = tfrecord.TFRecordWriter(f)
-            for _ in range(min(spec.shard_samples, spec.samples - i)):
-                label = rng.randrange(NUM_CLASSES)
-                origin = spec.origins[rng.randrange(len(spec.origins))]
-                key = f"s{i:08d}"
-                img = _image(rng, label, spec.sample_bytes, base)
-                if spec.fmt == "wds":
-                    meta = json.dumps({"label": label, "origin": origin}).encode()
-                    tw.write_sample(
-                        [(f"{key}.img".encode(), img), (f"{key}.cls".encode(), str(label).encode()), (f"{key}.json".encode(), meta)]
-                    )
-                else:
-                    tf.write(encode_example({"key": key.encode(), "image": img, "label": label, "origin": origin.encode()}))
-                i += 1
-            if spec.fmt == "wds":
-                tw.close()
+            first = s * spec.shard_samples
+            fs.write_synthetic(f, _samples(spec, rng, base, range(first, min(first + spec.shard_samples, spec.samples))))
         paths.append(path)
     for old in set(earlier) - set(paths):
         old.unlink(missing_ok=True)
     return paths
+
+
+def _samples(spec: SynthSpec, rng: random.Random, base: bytes, indices: range) -> Iterator[SynthSample]:
+    for i in indices:
+        label = rng.randrange(NUM_CLASSES)
+        origin = spec.origins[rng.randrange(len(spec.origins))]
+        yield SynthSample(f"s{i:08d}", _image(rng, label, spec.sample_bytes, base), label, origin)
 
 
 def parse_origins(text: str | None) -> Sequence[str] | None:

@@ -12,11 +12,10 @@ import math
 from typing import Any
 
 from geoshard.errors import DataError
+from geoshard.formats import format_spec
 
 MAX_MANIFEST_BYTES = 1024**3  # far above any real split's manifest; bounds what parsing may allocate
 MAX_COUNT = 2**53 - 1  # the largest integer every JSON reader holds exactly
-# A wds sample is at least one tar member (a 512-byte header); a TFRecord record at least its framing.
-MIN_SAMPLE_BYTES = {"wds": 512, "tfrecord": 16}
 
 
 def parse(data: bytes, name: str) -> Any:
@@ -41,7 +40,7 @@ def count(value: Any, field: str, name: str, upper: int = MAX_COUNT) -> int:
 
 def samples_fit(samples: int, size: int, fmt: str, field: str, name: str) -> None:
     """A shard of ``size`` bytes cannot hold more samples than its format's smallest sample allows."""
-    most = size // MIN_SAMPLE_BYTES[fmt]
+    most = size // format_spec(fmt, name).min_sample_bytes
     if samples > most:
         raise DataError(f"{name}: {field}: {samples:,} samples cannot fit in {size:,} bytes of {fmt} (at most {most:,})")
 

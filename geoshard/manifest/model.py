@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from geoshard.errors import DataError
+from geoshard.formats import FORMATS
 from geoshard.manifest import checks
 from geoshard.util.paths import plain_relative
 
@@ -135,7 +136,7 @@ class RegionManifest:
     def from_dict(cls, d: Any, name: str) -> RegionManifest:
         try:
             d = checks.mapping(d, "the manifest", name)
-            if d["format"] not in ("wds", "tfrecord"):
+            if d["format"] not in FORMATS:
                 raise DataError(f"{name}: format must be 'wds' or 'tfrecord', got {d['format']!r}")
             entries = checks.listing(d["shards"], "shards", name)
             shards = tuple(ShardEntry.from_dict(s, name, i, d["format"]) for i, s in enumerate(entries))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from geoshard.errors import DataError
-from geoshard.formats import tfrecord, wds
+from geoshard.formats import format_spec
 from geoshard.manifest import MANIFEST, RegionManifest, ShardEntry, read_region_manifest, read_split_or_region
 from geoshard.util.hashing import FAST, file_digests
 from geoshard.util.paths import check_shard_path, plain_relative
@@ -59,8 +59,7 @@ def sha256_file(path: Path) -> tuple[str, int]:
 def count_samples(path: Path, fmt: str) -> int:
     """The samples the shard file holds, as the loader groups them."""
     with path.open("rb") as f:
-        it = tfrecord.iter_records(f, str(path)) if fmt == "tfrecord" else wds.iter_raw_samples(f, str(path))
-        return sum(1 for _ in it)
+        return sum(1 for _ in format_spec(fmt, str(path)).samples(f, str(path)))
 
 
 def _counts_match(path: Path, shard: ShardEntry, fmt: str) -> bool:

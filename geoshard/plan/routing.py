@@ -14,9 +14,10 @@ import hashlib
 import json
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from geoshard.errors import ConfigError, DataError
-from geoshard.formats import Format
+from geoshard.formats import Format, format_spec
 from geoshard.formats.example import ExampleError, get_feature
 from geoshard.formats.wds import raw_members
 from geoshard.plan import Plan
@@ -46,9 +47,11 @@ def slot_table(names: Sequence[str], weights: Sequence[float]) -> bytes:
     return bytes(np.argmax(scores, axis=0).astype(np.uint8))
 
 
-def key_hash(key: bytes) -> int:
-    """64-bit key hash: its top SLOT_BITS pick the slot, and the whole finds duplicate keys."""
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+def key_hash(key: bytes, _blake: Callable[..., Any] = hashlib.blake2b, _from_bytes: Callable[..., int] = int.from_bytes) -> int:
+    """64-bit key hash: its top SLOT_BITS pick the slot, and the whole finds duplicate keys.
+
+    On the split's per-sample path: the defaults bind its two calls as locals."""
+    return _from_bytes(_blake(key, digest_size=8).digest(), "little")
 
 
 class RouteSpec:
@@ -64,7 +67,7 @@ class RouteSpec:
         self.table = slot_table(plan.region_names, [r.weight for r in plan.regions]) if self.policy == "hash" else b""
         self.every = tuple(range(self.nregions))
         self.singles = tuple((i,) for i in range(self.nregions))
-        if self.policy == "field" and fmt == "tfrecord" and self.field and self.field.startswith("json."):
+        if self.policy == "field" and not format_spec(fmt).named_fields and self.field and self.field.startswith("json."):
             raise ConfigError(
                 f"{plan.path or 'plan'}: routing.field: {self.field!r} names a JSON member, "
                 "but TFRecord samples have features; name a feature"
@@ -126,15 +129,3 @@ class RouteSpec:
             return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
 
         return value
-
-
-def feature_key(record: bytes, keyname: str, source: str, index: int) -> bytes:
-    """The sample key of a TFRecord record: its ``keyname`` feature as bytes."""
-    try:
-        v = get_feature(record, keyname)
-    except ExampleError as e:
-        raise DataError(f"{source}: record {index} is not a tf.train.Example ({e})") from e
-    if not v:
-        raise DataError(f"{source}: record {index} has no feature {keyname!r} (routing.key)")
-    x = v[0]
-    return x if isinstance(x, bytes) else str(x).encode()

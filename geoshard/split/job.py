@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from geoshard.errors import ConfigError, DataError, LockedError, StorageError
-from geoshard.formats import Format
+from geoshard.formats import Format, format_spec
 from geoshard.manifest import (
     MANIFEST,
     Manifest,
@@ -114,7 +114,8 @@ def _run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, prog
     refs = expand_sources(sources, settings.fmt, settings.s3)
     fmt: Format = refs[0].format
     route = RouteSpec(plan, fmt)
-    if plan.routing.key and fmt == "wds":
+    keyed_by_feature = format_spec(fmt).split.keyed_by_feature
+    if plan.routing.key and not keyed_by_feature:
         log.info("routing.key applies to TFRecord only; WebDataset samples route by __key__")
     with _locked(out):
         previous = _check_out(out, plan, settings.replace)
@@ -137,7 +138,7 @@ def _run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, prog
                     region_names=plan.region_names,
                     target_bytes=plan.shards.bytes,
                     target_samples=plan.shards.samples,
-                    key_feature=plan.routing.key if fmt == "tfrecord" else None,
+                    key_feature=plan.routing.key if keyed_by_feature else None,
                     tmpdir=str(tmpdir.resolve()),
                     s3=settings.s3,
                     allow_truncated_tar=settings.allow_truncated_tar,

@@ -23,7 +23,7 @@ from typing import Any
 
 from geoshard import s3 as s3lib
 from geoshard.errors import ConfigError, DataError, StorageError
-from geoshard.formats import Format, format_of_name, is_gzip_name
+from geoshard.formats import Format, detect_format, format_of_name, is_gzip_name
 from geoshard.formats._window import Readable
 from geoshard.s3 import REQUEST_TIMEOUT_S, s3_client
 from geoshard.util.hashing import FAST
@@ -88,8 +88,8 @@ def _sniff(path: str, fmt: Format | None) -> tuple[Format, bool]:
         raise DataError(f"{path}: cannot read source ({e.strerror}); fix its permissions or leave it out of SOURCE") from e
     if head[:2] == b"\x1f\x8b":
         gz = True
-    elif len(head) >= 262 and head[257:262] == b"ustar":
-        named = "wds"
+    else:
+        named = detect_format(head) or named
     found = fmt or named
     if found is None:
         raise ConfigError(f"{path}: cannot tell the format; name it .tar, .tfrecord or .tfrecord.gz, or pass --format")

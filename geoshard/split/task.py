@@ -7,36 +7,27 @@ the 64-bit key hashes the driver uses to find duplicate keys across groups.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
-import os
 import sys
 import time
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 from geoshard.errors import DataError, GeoshardError, StorageError
-from geoshard.formats import SHARD_SUFFIX, Format, tfrecord, wds
+from geoshard.formats import Format, FormatSpec, format_spec
 from geoshard.formats._window import Readable
-from geoshard.manifest import ShardChunks, SourceEntry
-from geoshard.plan.routing import SLOT_BITS, RouteSpec, feature_key, key_hash
+from geoshard.formats.spec import FieldValue
+from geoshard.manifest import SourceEntry
+from geoshard.plan.routing import SLOT_BITS, RouteSpec, key_hash
 from geoshard.split.sources import HashingReader, S3Access, SourceRef, open_source
-from geoshard.util.hashing import FAST, ChunkHasher, MultiHasher
+from geoshard.split.writer import CHUNK_BYTES as CHUNK_BYTES  # its old import path (tests, benchmarks)
+from geoshard.split.writer import ShardOut, ShardWriter
 
 log = logging.getLogger(__name__)
 PROGRESS_TOPIC = "geoshard-split-progress"
 ProgressFn = Callable[[dict[str, int]], None]  # the driver's progress callback: counts of what was done
-_FLUSH = 1 << 20
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
-# A shard's chunks (each with its xxh3-128 in the manifest) end at the first sample boundary past
-# this size. 512 KiB: a reader's first batch (128 samples of a few KB is ~0.5 MB) needs one or two
-# chunks, not a whole shard; with 1 MiB the first round of two workers was twice the bytes and the
-# first batch missed its goal behind a capped link (docs/benchmarks.md). The cost: ~70 manifest
-# bytes per MiB of shards (70 MB of manifest for 1 TB in one region).
-CHUNK_BYTES = 512 << 10
 
 
 @dataclass(frozen=True)
@@ -54,18 +45,6 @@ class GroupTask:
     allow_truncated_tar: bool = False  # a tar without end-of-archive blocks: split what it holds, report it
 
 
-@dataclass(frozen=True)
-class ShardOut:
-    region: str
-    name: str  # file name inside tmpdir/<region>/ and, once published, DIR/<region>/
-    samples: int
-    bytes: int
-    sha256: str
-    group: int
-    xxh3_128: str = ""
-    chunks: ShardChunks | None = None
-
-
 @dataclass
 class GroupResult:
     group: int
@@ -74,117 +53,6 @@ class GroupResult:
     samples_in: int = 0
     key_hashes: bytes = b""  # sorted uint64 array
     truncated: list[tuple[str, int]] = field(default_factory=list)  # (source, samples read) of tars without end blocks
-
-
-class _ShardWriter:
-    """Writes one region's shards for one group, rolling over at the target size.
-
-    Bytes are buffered and hashed per flush, so the sha256 costs no second read of the shard.
-    """
-
-    def __init__(self, task: GroupTask, region: str) -> None:
-        self.task = task
-        self.region = region
-        self.dir = Path(task.tmpdir) / region
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.part = 0
-        self.done: list[ShardOut] = []
-        self.trailer = 2 * wds.BLOCK if task.fmt == "wds" else 0
-        self._open()
-
-    def _open(self) -> None:
-        self.path = self.dir / f"{self.task.group:05d}-{self.part:04d}.partial"
-        self.f = open(self.path, "wb", buffering=0)  # noqa: SIM115 - closed in _close
-        self.parts: list[bytes | memoryview] = []
-        self.pending = 0
-        self.hasher = MultiHasher(("sha256", FAST))  # both digests of record, fed once per flush
-        self.chunks = ChunkHasher()
-        self.chunk_bytes = 0  # of the chunk being filled, counted as samples are added
-        self.chunk_samples: list[int] = [0]  # samples per chunk
-        self.cuts: list[int] = []  # positions in self.parts where a new chunk begins
-        self.bytes = 0
-        self.samples = 0
-
-    def _flush(self) -> None:
-        # Hash each part and hand the list to writev: the samples are copied once, into the kernel.
-        update, chunk = self.hasher.update, self.chunks.update
-        cuts = iter(self.cuts)
-        cut = next(cuts, -1)
-        for i, part in enumerate(self.parts):
-            if i == cut:
-                self.chunks.cut()
-                cut = next(cuts, -1)
-            update(part)
-            chunk(part)
-        self.cuts = []
-        fd = self.f.fileno()
-        parts = self.parts
-        while parts:
-            batch = parts[:_IOV_MAX]
-            n = os.writev(fd, batch)
-            total = sum(len(p) for p in batch)
-            if n < total:  # a short write: finish the rest the simple way
-                self._write_all(b"".join(batch)[n:])
-            parts = parts[_IOV_MAX:]
-        self.parts = []
-        self.pending = 0
-
-    def release(self) -> None:
-        """Write what is pending now: its views into the read window must not outlive it."""
-        if self.parts:
-            self._flush()
-
-    def _write_all(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self.f.fileno(), view) :]
-
-    def add(self, raw: bytes | memoryview) -> None:
-        """Append one sample (a framed record, or a sample's compact tar members)."""
-        size = len(raw)
-        t = self.task
-        if self.samples and (self.bytes + size + self.trailer > t.target_bytes or (t.target_samples and self.samples >= t.target_samples)):
-            self._roll()
-        if self.chunk_bytes >= CHUNK_BYTES:  # the chunk is full: this sample begins the next one
-            self.cuts.append(len(self.parts))
-            self.chunk_samples.append(0)
-            self.chunk_bytes = 0
-        self.parts.append(raw)  # a memoryview into the read window: copied once, at flush
-        self.chunk_bytes += size
-        self.chunk_samples[-1] += 1
-        self.bytes += size
-        self.samples += 1
-        self.pending += size
-        if self.pending >= _FLUSH:
-            self._flush()
-
-    def _close(self) -> None:
-        if self.trailer:
-            self.parts.append(bytes(self.trailer))
-        self._flush()
-        self.f.close()
-        if self.samples == 0:
-            self.path.unlink()
-            return
-        size = self.path.stat().st_size
-        digests = self.hasher.hexdigests()
-        self.chunks.cut()  # the last chunk holds the end blocks too
-        chunks = ShardChunks(CHUNK_BYTES, tuple(self.chunks.sizes), tuple(self.chunk_samples), tuple(self.chunks.digests))
-        sha = digests["sha256"]
-        # The content hash in the name makes shards immutable objects: a changed shard gets a new
-        # name, so caches and buckets never serve stale bytes under an old name.
-        name = f"{self.task.group:05d}-{self.part:04d}-{sha[:12]}{SHARD_SUFFIX[self.task.fmt]}"
-        os.replace(self.path, self.dir / name)
-        self.done.append(ShardOut(self.region, name, self.samples, size, sha, self.task.group, digests[FAST], chunks))
-
-    def _roll(self) -> None:
-        self._close()
-        self.part += 1
-        self._open()
-
-    def finish(self) -> list[ShardOut]:
-        self._close()
-        return self.done
 
 
 class Reporter(Protocol):
@@ -207,7 +75,7 @@ class _Progress:
         self.report = report
         self.worker: Any = None
         # Only a task on a distributed worker has one, and there distributed is imported already:
-        # looking it up in sys.modules keeps the threaded path from importing it (~0.3 s).
+        # looking it up in sys.modules keeps the threaded path from paying for its import.
         dist = sys.modules.get("distributed") if report is None else None
         if dist is not None:
             with contextlib.suppress(ValueError):  # not on a worker
@@ -247,18 +115,19 @@ class _Progress:
 
 
 def run_group(task: GroupTask, report: Reporter | None = None) -> GroupResult:
-    writers = [_ShardWriter(task, r) for r in task.region_names]
+    writers = [ShardWriter(task, r) for r in task.region_names]
     result = GroupResult(group=task.group)
     hashes = array("Q")
     seen: set[int] = set()
     progress = _Progress(report)
+    spec = format_spec(task.fmt)
     try:
         for ref in task.sources:
             with open_source(ref, task.s3) as (stream, hashing):
-                route = _route_wds if task.fmt == "wds" else _route_tfrecord
                 ends: list[int] = []
                 size = None if ref.gzip else ref.size  # known length: declared sizes are checked against it
-                n = route(task, ref.url, stream, size, ends.append, writers, hashes, seen, progress.counter(hashing))
+                sinks = _Sinks(writers, hashes, seen, progress.counter(hashing))
+                n = _route(task, spec, ref.url, stream, size, ends.append, sinks)
                 hashing.drain()
             if ends:
                 result.truncated.append((ref.url, n))
@@ -314,16 +183,10 @@ def find_key(tasks: tuple[GroupTask, ...], h: int) -> tuple[str, list[str]]:
     """The key with 64-bit hash ``h`` and the sources holding it (for a duplicate-key error)."""
     key, where = "", []
     for task in tasks:
+        spec = format_spec(task.fmt)
         for ref in task.sources:
             with open_source(ref, task.s3) as (stream, _):
-                if task.fmt == "wds":
-                    keys: Iterator[bytes] = (
-                        k for k, _ in wds.iter_raw_samples(stream, ref.url, _skip if task.allow_truncated_tar else None)
-                    )
-                else:
-                    assert task.key_feature is not None
-                    keys = (feature_key(r, task.key_feature, ref.url, i) for i, r in enumerate(tfrecord.iter_records(stream, ref.url)))
-                for k in keys:
+                for k in _keys(task, spec, ref.url, stream):
                     if key_hash(k) == h:
                         key = k.decode(errors="replace")
                         where.append(ref.url)
@@ -331,96 +194,98 @@ def find_key(tasks: tuple[GroupTask, ...], h: int) -> tuple[str, list[str]]:
     return key, where
 
 
-def _skip(offset: int) -> None:
-    pass
+def _keys(task: GroupTask, spec: FormatSpec, url: str, stream: Readable) -> Iterator[bytes]:
+    n = 0
+    allow = (lambda offset: None) if task.allow_truncated_tar else None  # the split already reported it
+    for keys, raws, bodies in spec.split.batches(stream, url, None, allow):
+        yield from _keyed(task, spec, url, keys, bodies, n) or ()
+        n += len(raws)
+
+
+def _keyed(
+    task: GroupTask, spec: FormatSpec, url: str, keys: list[bytes] | None, bodies: list[bytes] | None, first: int
+) -> list[bytes] | None:
+    """A batch's sample keys: their own, else the routing.key feature's, else None (no keys)."""
+    if keys is None and task.key_feature is not None:
+        assert spec.split.feature_keys is not None and bodies is not None
+        return spec.split.feature_keys(bodies, task.key_feature, url, first)
+    return keys
 
 
 def _duplicate(key: bytes, url: str) -> DataError:
     return DataError(f"{url}: duplicate sample key {key.decode(errors='replace')!r}")
 
 
-def _route_wds(
-    task: GroupTask,
-    url: str,
-    stream: Readable,
-    size: int | None,
-    unterminated: Callable[[int], None],
-    writers: list[_ShardWriter],
-    hashes: array[int],
-    seen: set[int],
-    tick: Callable[[int], None],
+@dataclass(frozen=True)
+class _Sinks:
+    """Where one source's samples go: the regions' writers, the key hashes seen, the progress tick."""
+
+    writers: list[ShardWriter]
+    hashes: array[int]
+    seen: set[int]
+    tick: Callable[[int], None]
+
+
+def _route(
+    task: GroupTask, spec: FormatSpec, url: str, stream: Readable, size: int | None, unterminated: Callable[[int], None], sinks: _Sinks
 ) -> int:
+    """Route every sample of one source to its regions' writers; returns how many there were.
+
+    The hot loop of the split, a batch (a read window) at a time: per sample one hash, one set
+    lookup, one list append. The writers write out their views of a batch before the next one
+    overwrites the window's reused buffer."""
     route = task.route
-    policy = route.policy
-    value = route.wds_value() if policy == "field" else None
-    table, every = route.table, route.every
-    adds = [w.add for w in writers]
-    blake, from_bytes, shift = hashlib.blake2b, int.from_bytes, 64 - SLOT_BITS
-    remember, known = hashes.append, seen.add
-    n = 0
-    # The hot loop of the split: per sample one hash, one set lookup, one list append.
+    value = spec.split.field_value(route, url) if route.policy == "field" else None
+    adds = [w.add for w in sinks.writers]
+    releases = [w.release for w in sinks.writers]
     allow = unterminated if task.allow_truncated_tar else None
-    # The window's buffer is reused: each writer writes out its views of it before the next fill.
-    releases = [w.release for w in writers]
-    for buf, keys, starts, ends in wds.iter_raw_windows(stream, url, allow, size, reuse=True):
-        mv = memoryview(buf)
-        for key, start, end in zip(keys, starts, ends, strict=True):
-            h = from_bytes(blake(key, digest_size=8).digest(), "little")
-            if h in seen:
-                raise _duplicate(key, url)
-            known(h)
-            remember(h)
-            raw = mv[start:end]
-            if policy == "hash":
+    n = 0
+    for own, raws, bodies in spec.split.batches(stream, url, size, allow):
+        keys = _keyed(task, spec, url, own, bodies, n)
+        # Samples without keys route by a hash of their bytes and are not checked for duplicates.
+        hs = _remember(keys, url, sinks) if keys is not None else [key_hash(b) for b in bodies or raws]
+        if route.policy == "hash":
+            table, shift = route.table, 64 - SLOT_BITS
+            for h, raw in zip(hs, raws, strict=True):
                 adds[table[h >> shift]](raw)
-            else:
-                targets = every if value is None else route.by_value(value(bytes(raw)), url, repr(key.decode(errors="replace")))
-                for r in targets:
-                    adds[r](raw)
+        else:
+            _send(route, value, adds, raws, bodies, keys, n, url)
         for release in releases:
             release()
-        n += len(keys)
-        tick(len(keys))
+        n += len(raws)
+        sinks.tick(len(raws))
     return n
 
 
-def _route_tfrecord(
-    task: GroupTask,
+def _remember(keys: list[bytes], url: str, sinks: _Sinks) -> list[int]:
+    """The keys' hashes, refusing a key seen before in this group."""
+    kh, seen, known = key_hash, sinks.seen, sinks.seen.add
+    hs = [kh(k) for k in keys]
+    for h, key in zip(hs, keys, strict=True):
+        if h in seen:
+            raise _duplicate(key, url)
+        known(h)
+    sinks.hashes.extend(hs)
+    return hs
+
+
+def _send(
+    route: RouteSpec,
+    value: FieldValue | None,
+    adds: Sequence[Callable[[bytes | memoryview], None]],
+    raws: list[Any],
+    bodies: list[bytes] | None,
+    keys: list[bytes] | None,
+    first: int,
     url: str,
-    stream: Readable,
-    size: int | None,
-    unterminated: Callable[[int], None],
-    writers: list[_ShardWriter],
-    hashes: array[int],
-    seen: set[int],
-    tick: Callable[[int], None],
-) -> int:
-    route = task.route
-    policy = route.policy
-    tvalue = route.tfrecord_value(url) if policy == "field" else None
-    keyname = task.key_feature
-    n = 0
-    for index, (record, framed) in enumerate(tfrecord.iter_framed(stream, url, size)):
-        if keyname is not None:
-            key = feature_key(record, keyname, url, index)
-            wds.check_key(key, f"{url}: record {index}")
-            h = key_hash(key)
-            if h in seen:
-                raise _duplicate(key, url)
-            seen.add(h)
-            hashes.append(h)
-        else:
-            h = key_hash(record)
-        if policy == "hash":
-            targets = route.by_hash(h)
-        elif tvalue is not None:
-            targets = route.by_value(tvalue(record, index), url, f"record {index}")
-        else:
-            targets = route.every
-        for r in targets:
-            writers[r].add(framed)
-        n += 1
-        if n & 1023 == 0:
-            tick(1024)
-    tick(n & 1023)
-    return n
+) -> None:
+    """Samples routed by a field's value, or to every region."""
+    if value is None:
+        for raw in raws:
+            for r in route.every:
+                adds[r](raw)
+        return
+    for i, raw in enumerate(raws):
+        v, label = value(raw, bodies[i] if bodies is not None else None, keys[i] if keys is not None else None, first + i)
+        for r in route.by_value(v, url, label):
+            adds[r](raw)

@@ -2,8 +2,8 @@
 
 The default for local sources: ``dask.threaded.get`` is Dask's local scheduler (the one
 ``dask.compute(..., scheduler="threads")`` uses), so the command imports ``dask`` but not
-``distributed``, which alone took 0.3-0.4 s of a split's start, and starts no cluster. The
-tasks' reads, writes and hashes release the GIL (docs/benchmarks.md). Progress goes straight to
+``distributed``, whose import alone is a noticeable share of a split's start, and starts no
+cluster. The tasks' reads, writes and hashes release the GIL (docs/benchmarks.md). Progress goes straight to
 the driver's callback; a failed task, or Ctrl-C, stops the others at their next read window
 before the caller removes the temporary folder.
 """

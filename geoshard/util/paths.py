@@ -11,9 +11,10 @@ from __future__ import annotations
 import re
 
 from geoshard.errors import ConfigError
+from geoshard.formats import SHARD_SUFFIX
 
 # What split writes: group, part, the first 12 hex digits of the sha256, the format's suffix.
-SHARD_NAME = re.compile(r"[0-9]{5}-[0-9]{4}-[0-9a-f]{12}\.(?:tar|tfrecord)")
+SHARD_NAME = re.compile(r"[0-9]{5}-[0-9]{4}-[0-9a-f]{12}(?:" + "|".join(re.escape(s) for s in SHARD_SUFFIX.values()) + ")")
 
 
 def is_shard_name(name: str) -> bool:
@@ -43,7 +44,9 @@ def check_shard_path(path: object, where: str) -> str:
     (``00003-0000-1a2b3c4d5e6f.tar``). Anything else is a ConfigError naming the manifest."""
     p = plain_relative(path, where)
     if not is_shard_name(p):
-        raise ConfigError(f"{where}: {p!r} is not a shard name (NNNNN-NNNN-<12 hex digits>.tar or .tfrecord); refusing this manifest")
+        raise ConfigError(
+            f"{where}: {p!r} is not a shard name (NNNNN-NNNN-<12 hex digits>{' or '.join(SHARD_SUFFIX.values())}); refusing this manifest"
+        )
     return p
 
 

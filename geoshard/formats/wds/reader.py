@@ -1,30 +1,24 @@
-"""WebDataset tar shards: members grouped into samples exactly as webdataset groups them.
+"""Reading WebDataset tar shards: members grouped into samples exactly as webdataset groups them.
 
 The key of a member is its path up to the first dot of its basename; consecutive members with
-one key form a sample. Fields are kept byte-identical. geoshard writes compact ustar headers
-(no PAX unless a name needs it, mtime 0) so readers pay little per member.
+one key form a sample. Fields are kept byte-identical.
 """
 
 from __future__ import annotations
 
 import io
-import re
 import zlib
 from collections.abc import Callable, Iterator
-from typing import BinaryIO
 
 from geoshard.errors import DataError
 from geoshard.formats._window import Readable, ReusedWindow, Window
-from geoshard.formats.tarscan import scan
+from geoshard.formats.keys import check_key
+from geoshard.formats.wds.tarscan import scan
+from geoshard.formats.wds.writer import BLOCK, CHECKSUM_SPACES, ZERO_BLOCK, Member, member_header
 
 EXTENSIONS = (".tar",)
-BLOCK = 512
-_ZERO = bytes(BLOCK)
-_SPACES = b" " * 8
 _adler = zlib.adler32
-_CONTROL = re.compile(rb"[\x00-\x1f\x7f]")
 
-Member = tuple[bytes, bytes]  # (full member name, data)
 OnUnterminated = Callable[[int], None]  # called with the offset where a tar without end blocks stops
 # A sample as the split moves it: its key and its members as compact tar bytes (each member one
 # header block, data, padding), ready to append to an output shard without re-encoding.
@@ -65,64 +59,28 @@ def _members(w: Window, name: str, unterminated: OnUnterminated | None = None) -
     """
     long_name: bytes | None = None
     first = w.offset == 0
-    adler = zlib.adler32
     while True:
+        if w.pos + BLOCK > len(w.buf) and not _fill_header(w, name, first, unterminated):
+            return
         pos, buf = w.pos, w.buf
-        if pos + BLOCK > len(buf):
-            if not w.fill(BLOCK):
-                if w.remaining():
-                    raise DataError(f"{name}: truncated tar at byte {w.offset}: partial header")
-                if first:
-                    raise DataError(f"{name}: empty file; not a tar archive")
-                if unterminated is None:
-                    raise DataError(
-                        f"{name}: tar ends at byte {w.offset} without end-of-archive blocks; truncated? "
-                        "(--allow-truncated-tar splits what it holds)"
-                    )
-                unterminated(w.offset)
-                return
-            pos, buf = w.pos, w.buf
-        if buf[pos] == 0 and buf[pos : pos + BLOCK] == _ZERO:
+        if buf[pos] == 0 and buf[pos : pos + BLOCK] == ZERO_BLOCK:
             if first:
                 raise DataError(f"{name}: starts with an empty block; not a tar archive")
             w.pos = len(w.buf)
             return
-        # Header checksum: the byte sum with the checksum field read as spaces. adler32's low half is
-        # 1 + that sum mod 65521, which checks it at C speed.
-        try:
-            chk = int(buf[pos + 148 : pos + 156].strip(b"\0 "), 8)
-        except ValueError:
-            chk = -1
-        if (adler(buf[pos + 156 : pos + BLOCK], adler(_SPACES, adler(buf[pos : pos + 148]))) & 0xFFFF) != (chk + 1) % 65521:
-            what = "not a tar archive" if first else "corrupted tar header"
-            raise DataError(f"{name}: bad tar header checksum at byte {w.offset}; {what}")
+        _check_header(buf, pos, name, w.offset, first)
         first = False
         size = _octal(buf[pos + 124 : pos + 136], "size", name, w.offset)
         typeflag = buf[pos + 156]
         end = pos + BLOCK + ((size + BLOCK - 1) & ~(BLOCK - 1))
         if end > len(buf):
-            offset = w.offset
-            if w.fits(BLOCK + size):  # a declared size beyond the known end is not read (nor allocated)
-                w.fill(end - pos)
-            if w.remaining() < BLOCK + size:
-                raise DataError(f"{name}: truncated tar at byte {offset}: member declares {size} bytes")
+            end = _fill_member(w, name, size)
             pos, buf = w.pos, w.buf
-            end = pos + BLOCK + ((size + BLOCK - 1) & ~(BLOCK - 1))
         header_offset = w.base + pos
         w.pos = min(end, len(buf))
         if typeflag in _REGULAR:
-            if long_name is None:
-                nul = buf.find(b"\0", pos, pos + 100)
-                member = buf[pos : nul if nul >= 0 else pos + 100]
-                if buf[pos + 345] != 0 and buf[pos + 257 : pos + 262] == b"ustar":
-                    member = buf[pos + 345 : pos + 500].split(b"\0", 1)[0] + b"/" + member
-                    raw = member_header(member, size) + buf[pos + BLOCK : end]
-                else:
-                    raw = buf[pos:end]
-                raw += bytes(end - pos - len(raw))  # a final member without padding
-            else:
-                member, long_name = long_name, None
-                raw = member_header(member, size) + buf[pos + BLOCK : pos + BLOCK + size] + bytes(-size % BLOCK)
+            member, raw = _regular(buf, pos, end, size, long_name)
+            long_name = None
             yield member, raw, size, header_offset
         elif typeflag == 0x78:  # 'x': PAX header of the next member
             long_name = _parse_pax(buf[pos + BLOCK : pos + BLOCK + size]).get(b"path", long_name)
@@ -130,6 +88,59 @@ def _members(w: Window, name: str, unterminated: OnUnterminated | None = None) -
             long_name = buf[pos + BLOCK : pos + BLOCK + size].split(b"\0", 1)[0]
         else:
             long_name = None  # directories, links, global PAX headers: not sample members
+
+
+def _fill_header(w: Window, name: str, first: bool, unterminated: OnUnterminated | None) -> bool:
+    """Make a header block available; False at a stream end that ``unterminated`` accepts."""
+    if w.fill(BLOCK):
+        return True
+    if w.remaining():
+        raise DataError(f"{name}: truncated tar at byte {w.offset}: partial header")
+    if first:
+        raise DataError(f"{name}: empty file; not a tar archive")
+    if unterminated is None:
+        raise DataError(
+            f"{name}: tar ends at byte {w.offset} without end-of-archive blocks; truncated? (--allow-truncated-tar splits what it holds)"
+        )
+    unterminated(w.offset)
+    return False
+
+
+def _check_header(buf: bytes, pos: int, name: str, offset: int, first: bool) -> None:
+    # The byte sum with the checksum field read as spaces. adler32's low half is 1 + that sum
+    # mod 65521, which checks it at C speed.
+    try:
+        chk = int(buf[pos + 148 : pos + 156].strip(b"\0 "), 8)
+    except ValueError:
+        chk = -1
+    if (_adler(buf[pos + 156 : pos + BLOCK], _adler(CHECKSUM_SPACES, _adler(buf[pos : pos + 148]))) & 0xFFFF) != (chk + 1) % 65521:
+        what = "not a tar archive" if first else "corrupted tar header"
+        raise DataError(f"{name}: bad tar header checksum at byte {offset}; {what}")
+
+
+def _fill_member(w: Window, name: str, size: int) -> int:
+    """Read the rest of the member at ``w.pos`` into ``w.buf``; its end (padding included) there."""
+    end = w.pos + BLOCK + ((size + BLOCK - 1) & ~(BLOCK - 1))
+    offset = w.offset
+    if w.fits(BLOCK + size):  # a declared size beyond the known end is not read (nor allocated)
+        w.fill(end - w.pos)
+    if w.remaining() < BLOCK + size:
+        raise DataError(f"{name}: truncated tar at byte {offset}: member declares {size} bytes")
+    return w.pos + BLOCK + ((size + BLOCK - 1) & ~(BLOCK - 1))
+
+
+def _regular(buf: bytes, pos: int, end: int, size: int, long_name: bytes | None) -> tuple[bytes, bytes]:
+    """A regular member's name and compact raw bytes (re-encoded when its name needed more than one block)."""
+    if long_name is not None:
+        return long_name, member_header(long_name, size) + buf[pos + BLOCK : pos + BLOCK + size] + bytes(-size % BLOCK)
+    nul = buf.find(b"\0", pos, pos + 100)
+    member = buf[pos : nul if nul >= 0 else pos + 100]
+    if buf[pos + 345] != 0 and buf[pos + 257 : pos + 262] == b"ustar":
+        member = buf[pos + 345 : pos + 500].split(b"\0", 1)[0] + b"/" + member
+        raw = member_header(member, size) + buf[pos + BLOCK : end]
+    else:
+        raw = buf[pos:end]
+    return member, raw + bytes(end - pos - len(raw))  # a final member without padding
 
 
 def _slow_samples(w: Window, name: str, unterminated: OnUnterminated | None = None) -> Iterator[RawSample]:
@@ -230,84 +241,3 @@ def sample_fields(members: list[Member]) -> dict[str, bytes]:
         slash = member.rfind(b"/") + 1
         out[member[member.find(b".", slash) + 1 :].decode("utf-8", "replace")] = data
     return out
-
-
-def check_key(key: bytes, name: str) -> None:
-    if _CONTROL.search(key):
-        raise DataError(f"{name}: sample key {key!r} contains a control character; keys must be printable")
-    try:
-        key.decode("utf-8")
-    except UnicodeDecodeError:
-        raise DataError(f"{name}: sample key {key!r} is not UTF-8") from None
-
-
-def _template() -> tuple[bytearray, int]:
-    h = bytearray(BLOCK)
-    h[100:108] = b"0000644\0"
-    h[108:116] = b"0000000\0"
-    h[116:124] = b"0000000\0"
-    h[135] = 0  # size digits go in 124:135, NUL terminator at 135
-    h[136:148] = b"00000000000\0"
-    h[148:156] = _SPACES
-    h[156:157] = b"0"
-    h[257:265] = b"ustar\x0000"
-    return h, sum(h)
-
-
-_TEMPLATE, _TEMPLATE_SUM = _template()
-
-
-def member_header(name: bytes, size: int, typeflag: bytes = b"0") -> bytes:
-    """A ustar header; names over 100 bytes use the prefix field or a PAX record."""
-    prefix = b""
-    if len(name) > 100:
-        cut = name.rfind(b"/", 0, 156)
-        if cut > 0 and len(name) - cut - 1 <= 100:
-            prefix, name = name[:cut], name[cut + 1 :]
-        else:
-            record = b" path=" + name + b"\n"
-            n = len(record) + 1
-            while len(str(n)) + len(record) != n:
-                n = len(str(n)) + len(record)
-            pax = str(n).encode() + record
-            return member_header(b"././@PaxHeader", len(pax), b"x") + _pad(pax) + member_header(name[-100:].lstrip(b"/"), size, typeflag)
-    h = bytearray(_TEMPLATE)
-    h[0 : len(name)] = name
-    digits = b"%011o" % size
-    h[124:135] = digits
-    extra = sum(name) + sum(digits)
-    if typeflag != b"0":
-        h[156:157] = typeflag
-        extra += typeflag[0] - 48
-    if prefix:
-        h[345 : 345 + len(prefix)] = prefix
-        extra += sum(prefix)
-    h[148:155] = b"%06o\0" % (_TEMPLATE_SUM + extra)
-    return bytes(h)
-
-
-def _pad(data: bytes) -> bytes:
-    return data + bytes(-len(data) % BLOCK)
-
-
-class TarWriter:
-    """Writes samples as compact ustar members; ``close`` adds the end-of-archive blocks."""
-
-    def __init__(self, f: BinaryIO) -> None:
-        self.f = f
-
-    def write_member(self, name: bytes, data: bytes) -> int:
-        header = member_header(name, len(data))
-        pad = -len(data) % BLOCK
-        self.f.write(header)
-        self.f.write(data)
-        if pad:
-            self.f.write(_ZERO[:pad])
-        return len(header) + len(data) + pad
-
-    def write_sample(self, members: list[Member]) -> int:
-        return sum(self.write_member(n, d) for n, d in members)
-
-    def close(self) -> int:
-        self.f.write(_ZERO * 2)
-        return 2 * BLOCK
