@@ -458,8 +458,7 @@ class RegionalDataset(IterableDataset[Any]):
                 # Counters travel with an item now and then (and with the last), not with every one.
                 stats = None
                 if i == last or time.monotonic() - shipped >= _STATS_EVERY_S:
-                    stats, shipped = chain.stats.snapshot(), time.monotonic()
-                    stats["cooldowns"] = chain.cooldowns()
+                    stats, shipped = (chain.stats.snapshot(), chain.cooldowns()), time.monotonic()
                 yield worker, n, stats, item
         except GeoshardError as e:
             if not start.tagged or count:
@@ -471,7 +470,7 @@ class RegionalDataset(IterableDataset[Any]):
 
     def stats(self) -> dict[str, Any]:
         """Counters of this process's tier chain, and the epoch's remainder."""
-        out = self.chain().stats.snapshot()
+        out = self.chain().stats.snapshot().to_dict()
         out.update(self.remainder())
         out["epoch"] = self.epoch
         return out
