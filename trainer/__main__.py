@@ -28,9 +28,10 @@ def main(**kwargs: Any) -> None:
         click.echo(f"geoshard.trainer: error: {e.message}", err=True)
         sys.exit(e.exit_code)  # before init_process_group: no gloo threads yet
     if (env := start_environment(cfg, os.environ)) is not None:
-        # Start again in the environment --nccl-algo / --socket-ifname ask for (same process id, so
-        # torchrun still follows it) rather than change this process's environment under torch.
-        os.execve(sys.executable, [sys.executable, "-m", "geoshard.trainer", *sys.argv[1:]], env)  # noqa: S606
+        # Start again, with the same interpreter options (torchrun's -u), in the environment
+        # --nccl-algo / --socket-ifname ask for: same process id, so torchrun still follows it, and
+        # this process's environment is never changed under torch.
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)  # noqa: S606
     try:
         train(cfg)
     except GeoshardError as e:
