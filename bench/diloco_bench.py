@@ -104,6 +104,7 @@ def one_run(
 ) -> dict:
     from geoshard.trainer.config import TrainConfig, parse_regions
     from geoshard.trainer.launch import launch_regions
+    from geoshard.trainer.record import read_steps
     from geoshard.trainer.report import build_report
 
     out = work / f"run-{name}"
@@ -135,9 +136,9 @@ def one_run(
     rep = build_report(out, cfg.budget)
     losses = []
     for rank in range(len(REGIONS)):
-        recs = [json.loads(x) for x in (out / f"steps-rank{rank}.jsonl").read_text().splitlines()]
+        recs = read_steps(out / f"steps-rank{rank}.jsonl", rank)
         tail = recs[-max(1, len(recs) // 10) :]
-        losses += [r["loss"] for r in tail]
+        losses += [r.loss for r in tail]
     ckpt = out / "checkpoints" / (REGIONS[0] if sync == "diloco" else "")
     row = {
         "name": name,

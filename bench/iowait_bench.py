@@ -54,6 +54,7 @@ from servers import SeaweedS3, free_ports  # noqa: E402
 
 from geoshard.loaders.epoch import Layout, rank_plan  # noqa: E402
 from geoshard.split.task import CHUNK_BYTES  # noqa: E402
+from geoshard.trainer.record import StepRecord, read_steps  # noqa: E402
 
 GEOSHARD = str(Path(sys.executable).with_name("geoshard"))
 REGION = "us-east-1"
@@ -201,10 +202,8 @@ def train(run_dir: Path, plan: Path, args: argparse.Namespace, prefetch: int, en
     return json.loads((run_dir / "report.json").read_text())
 
 
-def steps_of(run_dir: Path) -> list[list[dict[str, Any]]]:
-    return [
-        [json.loads(line) for line in (run_dir / f"steps-rank{r}.jsonl").read_text().splitlines() if line.strip()] for r in range(WORLD)
-    ]
+def steps_of(run_dir: Path) -> list[list[StepRecord]]:
+    return [read_steps(run_dir / f"steps-rank{r}.jsonl", r) for r in range(WORLD)]
 
 
 def summarize_run(run_dir: Path, report: dict[str, Any], bytes_per_sample: float, link_bytes: int | None) -> dict[str, Any]:
@@ -212,8 +211,8 @@ def summarize_run(run_dir: Path, report: dict[str, Any], bytes_per_sample: float
     steps = steps_of(run_dir)
     walls = {r["rank"]: r["wall_s"] for r in report["ranks"]}
     # Consumption after the first step (start-up excluded): samples/s of both ranks together.
-    rate = sum(sum(x["samples"] for x in s[1:]) / (walls[r] - s[0]["t"]) for r, s in enumerate(steps))
-    step_s = statistics.median(x["step_s"] for s in steps for x in s[1:])
+    rate = sum(sum(x.samples for x in s[1:]) / (walls[r] - s[0].t) for r, s in enumerate(steps))
+    step_s = statistics.median(x.step_s for s in steps for x in s[1:])
     tiers = {
         name: {k: t[k] for k in ("hits", "bytes", "misses", "errors", "verify_failures", "fetch_seconds_mean", "fetch_seconds_max")}
         for name, t in report["tiers"].items()
@@ -223,8 +222,8 @@ def summarize_run(run_dir: Path, report: dict[str, Any], bytes_per_sample: float
         "io_wait_share_after_first_batch": report["io_wait_share_after_first_batch"],
         "time_to_first_batch_s": report["time_to_first_batch_s"],
         "time_to_first_batch_s_ranks": [r["time_to_first_batch_s"] for r in report["ranks"]],
-        "data_wait_s_first_step": [s[0]["data_wait_s"] for s in steps],
-        "data_wait_s_after_first": [round(sum(x["data_wait_s"] for x in s[1:]), 4) for s in steps],
+        "data_wait_s_first_step": [s[0].data_wait_s for s in steps],
+        "data_wait_s_after_first": [round(sum(x.data_wait_s for x in s[1:]), 4) for s in steps],
         "wall_s": max(walls.values()),
         "step_s_median": step_s,
         "samples_per_s": rate,

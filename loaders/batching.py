@@ -11,6 +11,7 @@ from typing import Any
 from geoshard.loaders.chain import TierChain
 from geoshard.loaders.decode import TensorSpec, pack
 from geoshard.loaders.handoff import EpochStart
+from geoshard.loaders.stats import StatsSnapshot
 
 STATS_EVERY_S = 0.25  # how often a DataLoader worker ships its counters with a batch
 
@@ -59,9 +60,9 @@ class StatsShipper:
         self.chain, self.last, self.clock = chain, items - 1, clock
         self.shipped = clock()
 
-    def take(self, i: int) -> dict[str, Any] | None:
+    def take(self, i: int) -> tuple[StatsSnapshot, dict[str, float]] | None:
+        """(counters, tier cooldowns) or None."""
         if i != self.last and self.clock() - self.shipped < STATS_EVERY_S:
             return None
-        stats, self.shipped = self.chain.stats.snapshot(), self.clock()
-        stats["cooldowns"] = self.chain.cooldowns()
-        return stats
+        self.shipped = self.clock()
+        return self.chain.stats.snapshot(), self.chain.cooldowns()

@@ -121,7 +121,7 @@ class TierChain:
         if self.settings.writeback and self.local is not None and tier is not self.local and isinstance(data, bytes):
             try:
                 self.local.write(shard.path, data)
-                self.stats.writebacks += 1
+                self.stats.writeback()
             except (OSError, TierError) as e:
                 log.warning("write-back of %s to %s failed: %s", shard.path, self.local.name, e)
         return data
@@ -262,7 +262,7 @@ class TierChain:
             return
         shares = max(1, self.settings.egress_shares)
         budget = self.settings.egress_budget // shares
-        used = sum(self.stats.snapshot()["egress_bytes"].values())
+        used = self.stats.snapshot().egress_total
         if used + nbytes > budget:
             of = f" (this loader worker's 1/{shares} of the rank's budget)" if shares > 1 else " per rank"
             raise EgressBudgetExceeded(

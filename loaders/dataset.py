@@ -288,7 +288,7 @@ class RegionalDataset(IterableDataset[Any]):
 
     def stats(self) -> dict[str, Any]:
         """Counters of this process's tier chain, and the epoch's remainder."""
-        out = self.chain().stats.snapshot()
+        out = self.chain().stats.snapshot().to_dict()
         out.update(self.remainder())
         out["epoch"] = self.epoch
         return out

@@ -27,7 +27,7 @@ from geoshard.loaders.dataset import RegionalDataset
 from geoshard.loaders.decode import PackedBatch, unpack
 from geoshard.loaders.handoff import EpochStart, WorkerFailure
 from geoshard.loaders.slots import SlotPool
-from geoshard.loaders.stats import merge_snapshots
+from geoshard.loaders.stats import StatsSnapshot, merge
 from geoshard.plan import Plan
 
 
@@ -48,7 +48,7 @@ class RegionalLoader(DataLoader[Any]):
         # tensors, which cross processes through a shared-memory segment each: slow for small ones).
         super().__init__(dataset, batch_size=None, num_workers=num_workers, collate_fn=_as_is, **kwargs)
         self.lookahead = lookahead  # batches before an epoch's end at which stream() starts the next one
-        self._snapshots: dict[tuple[int, int], dict[str, Any]] = {}  # (iteration, worker) -> its latest counters
+        self._snapshots: dict[tuple[int, int], StatsSnapshot] = {}  # (iteration, worker) -> its latest counters
         self._iterations = 0
         # TensorSpec batches from forked workers: shared slots (slots.py), made at the first fork.
         self._slots: SlotPool | None = None
@@ -122,8 +122,9 @@ class RegionalLoader(DataLoader[Any]):
                 ds.record(worker, n)
             if stats is not None and counting:  # without workers, stats() reads this process's chain directly
                 # The next epoch's workers fork from this process: they inherit what failed.
-                ds.chain().note_cooldowns(stats.pop("cooldowns", {}))
-                self._snapshots[(iteration, worker)] = stats
+                snapshot, cooldowns = stats
+                ds.chain().note_cooldowns(cooldowns)
+                self._snapshots[(iteration, worker)] = snapshot
             if isinstance(item, PackedBatch):  # TensorSpec: views of its shared slot (or of its own array)
                 item = unpack(item, self._slots.open(item.slot, item.nbytes) if self._slots and item.slot >= 0 else item.data)
             yield item
@@ -141,7 +142,7 @@ class RegionalLoader(DataLoader[Any]):
         """Tier counters of every worker so far, plus the epoch's remainder."""
         # This process's own chain read the manifest (and, without workers, everything).
         snaps = [*self._snapshots.values(), self.dataset.chain().stats.snapshot()]
-        out = merge_snapshots(snaps)
+        out = merge(snaps).to_dict()
         out.update(self.dataset.remainder())
         out["epoch"] = self.dataset.epoch
         return out

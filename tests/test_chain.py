@@ -66,7 +66,7 @@ def rig(tmp_path: Path, aws: SeaweedS3) -> Iterator[Rig]:
 
 
 def _tiers(rig: Rig) -> dict[str, dict]:
-    return rig.chain.stats.snapshot()["tiers"]
+    return rig.chain.stats.snapshot().to_dict()["tiers"]
 
 
 def test_healthy_chain_reads_from_alluxio(rig: Rig) -> None:
@@ -128,7 +128,7 @@ def test_missing_in_the_regions_bucket_reads_another_region_as_egress(rig: Rig, 
     with contextlib.closing(aws.client()) as c:
         c.delete_object(Bucket=own.bucket, Key=f"train/{s.path}")
     assert hashlib.sha256(rig.chain.fetch(s)).hexdigest() == s.sha256
-    snap = rig.chain.stats.snapshot()
+    snap = rig.chain.stats.snapshot().to_dict()
     assert snap["tiers"]["s3:us-east-1"]["hits"] == 1 and snap["egress_bytes"] == {"us-east-1->eu-west-1": s.bytes}
     no_cross = TierChain("eu-west-1", rig.tiers[:3], ChainSettings(allow_cross_region=False, backoff=Backoff(attempts=1)))
     (rig.local.root / s.path).unlink()
@@ -169,6 +169,6 @@ def test_chain_built_from_the_plan_with_alluxios_s3_proxy(tmp_path: Path, aws: S
     assert [t.name for t in chain.tiers] == ["alluxio-s3:eu-west-1", "local:eu-west-1", "s3:eu-west-1", "s3:us-east-1"]
     for p, b in data.items():
         assert chain.fetch(ShardEntry(p, 1, len(b), hashlib.sha256(b).hexdigest())) == b
-    assert chain.stats.snapshot()["tiers"]["alluxio-s3:eu-west-1"]["hits"] == 2
+    assert chain.stats.snapshot().to_dict()["tiers"]["alluxio-s3:eu-west-1"]["hits"] == 2
     assert (tmp_path / "replica" / next(iter(data))).exists()  # written back from the proxy
     assert [t.name for t in build_chain(plan, "eu-west-1", ChainSettings(allow_cross_region=False)).tiers][-1] == "s3:eu-west-1"

@@ -421,7 +421,7 @@ def test_a_dead_alluxio_warns_once_per_tier_and_the_stats_count_every_failure(tm
             assert bytes(chain.fetch(ShardEntry(p, 1, len(b), hashlib.sha256(b).hexdigest()))) == b
     warnings = [r.getMessage() for r in caplog.records if "alluxio:eu-west-1 failed" in r.getMessage()]
     assert len(warnings) == 1 and "counted in the report's tiers table" in warnings[0], warnings
-    assert chain.stats.snapshot()["tiers"]["alluxio:eu-west-1"]["errors"] == len(data)
+    assert chain.stats.snapshot().to_dict()["tiers"]["alluxio:eu-west-1"]["errors"] == len(data)
     alluxio.close()  # type: ignore[attr-defined]
 
 
@@ -689,7 +689,7 @@ def test_cross_region_reads_are_opt_in_and_stop_at_the_budget(aws: SeaweedS3, tm
         chain.fetch(entries[2])
     msg = str(err.value)
     assert "from us-east-1's bucket into eu-west-1" in msg and "90,000 bytes, over the budget of 70,000 bytes per rank" in msg
-    assert chain.stats.snapshot()["egress_bytes"] == {"us-east-1->eu-west-1": 60_000}
+    assert chain.stats.snapshot().to_dict()["egress_bytes"] == {"us-east-1->eu-west-1": 60_000}
 
 
 def test_report_shows_egress_against_the_budget(tmp_path: Path) -> None:

@@ -145,6 +145,6 @@ def test_loader_fails_over_from_a_hanging_bucket_within_the_bound(tmp_path: Path
     for s in manifest.shards:
         assert len(chain.fetch(s)) == s.bytes
     elapsed = time.monotonic() - t0
-    tiers = chain.stats.snapshot()["tiers"]
+    tiers = chain.stats.snapshot().to_dict()["tiers"]
     assert tiers[f"s3:{EU}"]["errors"] >= 1 and tiers["s3:us-east-1"]["hits"] == len(shards)
     assert elapsed < attempts * (timeout + 0.2) + 3.0, elapsed

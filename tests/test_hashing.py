@@ -114,7 +114,7 @@ def test_reads_verify_the_fast_hash_by_default(tmp_path: Path, verify: str, xxh3
     else:
         with pytest.raises(AllTiersFailed, match=r"00000-0000-000000000000\.tar does not match its manifest"):
             chain.fetch(ShardEntry("00000-0000-000000000000.tar", 1, len(data), sha, 0, fast))
-        assert chain.stats.snapshot()["tiers"]["local:eu-west-1"]["verify_failures"] == 1
+        assert chain.stats.snapshot().to_dict()["tiers"]["local:eu-west-1"]["verify_failures"] == 1
         assert not (tmp_path / "00000-0000-000000000000.tar").exists()  # a corrupt local copy (a shard name) is removed
 
 

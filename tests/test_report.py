@@ -18,43 +18,31 @@ from click.testing import CliRunner, Result
 from geoshard.cli import main
 from geoshard.cli.report import duration, render_report, report
 from geoshard.errors import ConfigError, DataError
+from geoshard.loaders.stats import LoaderStats, StatsSnapshot
 from geoshard.trainer.metrics import Metrics
 from geoshard.trainer.plot import plot_steps
-from geoshard.trainer.record import StepRecord
+from geoshard.trainer.record import StepRecord, write_steps
 from geoshard.trainer.report import build_report, write_report
+from geoshard.trainer.summary import LoaderSummary, RankSummary, write_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def loader_stats(scale: int = 1) -> dict[str, Any]:
-    return {
-        "tiers": {
-            "local": {
-                "hits": 8 * scale,
-                "bytes": 8_000_000 * scale,
-                "misses": 2 * scale,
-                "errors": 0,
-                "verify_failures": 0,
-                "fetch_seconds": 0.08 * scale,
-                "fetch_seconds_max": 0.02 * scale,
-                "fetch_seconds_mean": 0.01,
-            },
-            "s3:us-east-1": {
-                "hits": 2 * scale,
-                "bytes": 2_000_000 * scale,
-                "misses": 0,
-                "errors": 1,
-                "verify_failures": 0,
-                "fetch_seconds": 0.6 * scale,
-                "fetch_seconds_max": 0.4 * scale,
-                "fetch_seconds_mean": 0.3,
-            },
-        },
-        "egress_bytes": {"us-east-1->eu-west-1": 2_000_000 * scale},
-        "writebacks": 2 * scale,
-        "dropped_samples": 0,
-    }
+def loader_stats(scale: int = 1) -> StatsSnapshot:
+    """The counters of a tier chain that read 8 MB from the local replica (2 misses) and 2 MB from
+    us-east-1's bucket (0.4 s and 0.2 s, one error) into eu-west-1, ``scale`` times over."""
+    stats = LoaderStats()
+    for _ in range(scale):
+        for _ in range(8):
+            stats.hit("local", 1_000_000, 0.01)
+        for seconds in (0.4, 0.2):
+            stats.hit("s3:us-east-1", 1_000_000, seconds)
+            stats.add_egress("us-east-1", "eu-west-1", 1_000_000)
+            stats.count("local", "misses")
+            stats.writeback()
+    stats.count("s3:us-east-1", "errors")
+    return stats.snapshot()
 
 
 def write_rank(
@@ -73,41 +61,31 @@ def write_rank(
 ) -> None:
     """Step records and the rank summary as the training loop writes them; 0.1 s of setup before the first step."""
     run.mkdir(parents=True, exist_ok=True)
-    t, lines = 0.1, []
+    t, records = 0.1, []
     for i in range(steps):
         data_wait = first_wait if i == 0 else wait
         ckpt = 0.3 if (i + 1) % checkpoint_every == 0 else 0.0
         step_s = data_wait + compute + ckpt + 0.002
         t += step_s
-        rec = {
-            "step": start_step + i,
-            "rank": rank,
-            "t": t,
-            "data_wait_s": data_wait,
-            "compute_s": compute,
-            "comm_s": comm,
-            "checkpoint_s": ckpt,
-            "step_s": step_s,
-            "loss": 2.0 - 0.1 * i + 0.01 * rank,
-            "samples": 32,
-        }
-        lines.append(json.dumps(rec) + "\n")
-    (run / f"steps-rank{rank}.jsonl").write_text("".join(lines))
+        loss = 2.0 - 0.1 * i + 0.01 * rank
+        records.append(
+            StepRecord(start_step + i, rank, t, data_wait, compute, step_s, comm_s=comm, checkpoint_s=ckpt, loss=loss, samples=32)
+        )
+    write_steps(run / f"steps-rank{rank}.jsonl", records)
     if summary:
-        doc = {
-            "rank": rank,
-            "world_size": world_size,
-            "region": "eu-west-1",
-            "backend": "gloo",
-            "device": "cpu",
-            "wall_s": t + 0.05,
-            "time_to_first_batch_s": first_wait,
-            "steps": steps,
-            "samples": 32 * steps,
-            "loader": loader_stats(),
-            "gpu_util": None,
-        }
-        (run / f"rank{rank}.json").write_text(json.dumps(doc))
+        doc = RankSummary(
+            rank=rank,
+            world_size=world_size,
+            region="eu-west-1",
+            backend="gloo",
+            device="cpu",
+            wall_s=t + 0.05,
+            time_to_first_batch_s=first_wait,
+            steps=steps,
+            samples=32 * steps,
+            loader=LoaderSummary(loader_stats()),
+        )
+        write_summary(run, doc)
 
 
 def make_run(run: Path, **kw: Any) -> Path:
@@ -218,9 +196,9 @@ def test_write_report_is_json_and_png(tmp_path: Path) -> None:
 
 
 def test_plot_many_steps_many_ranks_and_none(tmp_path: Path) -> None:
-    rec = {"step": 0, "data_wait_s": 0.01, "compute_s": 0.1, "step_s": 0.12}
-    long_run = [dict(rec, step=i, data_wait_s=0.5 if i % 100 == 0 else 0.01) for i in range(5000)]
-    many = {rank: [dict(rec, data_wait_s=0.001 * rank)] for rank in range(20)}
+    rec = StepRecord(step=0, rank=0, t=0.12, data_wait_s=0.01, compute_s=0.1, step_s=0.12)
+    long_run = [dataclasses.replace(rec, step=i, data_wait_s=0.5 if i % 100 == 0 else 0.01) for i in range(5000)]
+    many = {rank: [dataclasses.replace(rec, rank=rank, data_wait_s=0.001 * rank)] for rank in range(20)}
     for name, steps in (("long", {0: long_run, 1: []}), ("many", many), ("none", {})):
         out = plot_steps(steps, tmp_path / f"{name}.png", budget=0.05)
         data = out.read_bytes()

@@ -20,13 +20,18 @@ def main(**kwargs: Any) -> None:
     """Train the demo model with DDP on one region's data and write RUN_DIR/report.json."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from geoshard.trainer.failures import record_failure
-    from geoshard.trainer.loop import train
+    from geoshard.trainer.loop import start_environment, train
 
     try:
         cfg = config_from(**kwargs)
     except GeoshardError as e:  # geoshard train checks the options before launch; torchrun users see this line
         click.echo(f"geoshard.trainer: error: {e.message}", err=True)
         sys.exit(e.exit_code)  # before init_process_group: no gloo threads yet
+    if (env := start_environment(cfg, os.environ)) is not None:
+        # Start again, with the same interpreter options (torchrun's -u), in the environment
+        # --nccl-algo / --socket-ifname ask for: same process id, so torchrun still follows it, and
+        # this process's environment is never changed under torch.
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)  # noqa: S606
     try:
         train(cfg)
     except GeoshardError as e:

@@ -10,13 +10,13 @@ summary to ``RUN_DIR/rank{R}.json`` at the end; rank 0 then writes the report.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
-import os
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TextIO
 
 import torch
@@ -34,7 +34,9 @@ from geoshard.trainer.context import RankContext
 from geoshard.trainer.metrics import Metrics
 from geoshard.trainer.model import Net, collate, count_collate, to_tensors
 from geoshard.trainer.outer import OuterLoop
-from geoshard.trainer.record import StepRecord
+from geoshard.trainer.record import StepRecord, append_step
+from geoshard.trainer.runlog import RunLogs
+from geoshard.trainer.summary import LoaderSummary, RankSummary
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,15 @@ def network_environment(cfg: TrainConfig) -> dict[str, str]:
     if cfg.socket_ifname:
         env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = cfg.socket_ifname
     return env
+
+
+def start_environment(cfg: TrainConfig, environ: Mapping[str, str]) -> dict[str, str] | None:
+    """The environment the rank must start in for NCCL and gloo to see ``network_environment(cfg)``
+    (they read the process environment, in C++); None when ``environ`` already is one."""
+    net = network_environment(cfg)
+    if all(environ.get(k) == v for k, v in net.items()):
+        return None
+    return {**environ, **net}
 
 
 def pick_backend(requested: str) -> str:
@@ -72,20 +83,9 @@ def forward_backward(ddp: DDP, x: torch.Tensor, y: torch.Tensor, accum_steps: in
     return float(loss.detach())
 
 
-def _keep_steps(path: Path, upto: int) -> None:
-    """After a resume, forget the records of steps that are about to be redone."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            if json.loads(line)["step"] <= upto:
-                kept.append(line + "\n")
-    path.write_text("".join(kept))
-
-
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    os.environ.update(network_environment(cfg))
+def train(cfg: TrainConfig) -> RankSummary:
+    """One rank's training; NCCL and gloo read ``network_environment(cfg)`` from the process
+    environment, which the rank must start with (``python -m geoshard.trainer`` sees to it)."""
     backend = pick_backend(cfg.backend)
     # Check what this rank can check alone before the first collective: a rank that fails inside one
     # leaves the others waiting for it until the timeout.
@@ -127,20 +127,51 @@ def loader_key(region: str, region_rank: int) -> str:
     return f"{region}/{region_rank}"
 
 
-def _train(cfg: TrainConfig, ctx: RankContext) -> dict[str, Any]:
-    rank, device = ctx.rank, ctx.device
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+def _train(cfg: TrainConfig, ctx: RankContext) -> RankSummary:
+    if ctx.device.type == "cuda":
+        torch.cuda.set_device(ctx.device)
     cfg.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-
-    model = Net(cfg.hidden).to(device)
-    ddp = DDP(model, device_ids=[ctx.local_rank] if device.type == "cuda" else None)
+    model = Net(cfg.hidden).to(ctx.device)
+    ddp = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
     sync = resolve_sync(cfg.sync, ctx.topology)  # diloco: plain DDP inside the region (its own world)
     comm = CommState(ctx.topology, cfg.grad_compression, cfg.fp32_after)
     ddp.register_comm_hook(comm, hierarchical_hook if sync == "hierarchical" else timed_allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=0.9)
-    loader = make_loader(
+    loader = _make_loader(cfg, ctx)
+    if ctx.group_rank == 0:
+        _announce(cfg, ctx, loader.dataset.balance, sync)
+    # Under DiLoCo each region keeps its own checkpoints: a region restarts alone.
+    target = cfg.checkpoint_target.rstrip("/") + f"/{ctx.region}" if sync == "diloco" else cfg.checkpoint_target
+    store = CheckpointStore(target, keep=cfg.checkpoint_keep, endpoint_url=cfg.checkpoint_endpoint, region=cfg.checkpoint_region)
+    step, resumed_outer = _resume(cfg, ctx, model, opt, loader, store)
+    logs = RunLogs(cfg.out, ctx.rank)
+    redone = max(0, logs.last_step() - step) if cfg.resume else 0  # steps this segment does again
+    outer = None
+    if sync == "diloco":
+        outer = OuterLoop(cfg, ctx, model)
+        outer.join(step, resumed_outer, redone)  # the newest outer parameters replace the checkpoint's
+    segment = logs.start_segment(step)
+    metrics = Metrics(
+        None if cfg.metrics_port is None else cfg.metrics_port + ctx.rank, rank=ctx.rank, region=ctx.region, host=cfg.metrics_host
+    )
+    with logs.open_steps() as steps_log, logs.open_keys() if cfg.log_keys else contextlib.nullcontext() as keys_log:
+        run = Run(cfg, ctx, ddp, comm, opt, loader, store, outer, metrics, steps_log, keys_log, segment)
+        summary = _loop(run, step)
+    if outer is not None:
+        outer.leave()
+    metrics.close()
+    summary = logs.finish(_with_job(summary, cfg, ctx, loader, sync, redone), segment)
+    dist.barrier()
+    if ctx.rank == 0 and sync != "diloco":  # under DiLoCo regions end apart: the launcher writes the report
+        from geoshard.trainer.report import build_report, write_report
+
+        write_report(cfg.out, build_report(cfg.out, cfg.budget))
+    return summary
+
+
+def _make_loader(cfg: TrainConfig, ctx: RankContext) -> RegionalLoader:
+    return make_loader(
         cfg.plan,
         topology=ctx.topology,
         batch_size=cfg.batch_size,
@@ -151,66 +182,44 @@ def _train(cfg: TrainConfig, ctx: RankContext) -> dict[str, Any]:
         shuffle_buffer=cfg.shuffle_buffer,
         allow_cross_region=cfg.allow_cross_region,
     )
+
+
+def _resume(
+    cfg: TrainConfig, ctx: RankContext, model: Net, opt: torch.optim.Optimizer, loader: RegionalLoader, store: CheckpointStore
+) -> tuple[int, dict[str, Any] | None]:
+    """The step to start from and the checkpoint's outer state (None: no resume)."""
+    if not cfg.resume or (latest := store.load_latest()) is None:
+        return 0, None
+    step, state = latest
     ds = loader.dataset
-    if ctx.group_rank == 0:
-        _announce(cfg, ctx, ds.balance, sync)
-    # Under DiLoCo each region keeps its own checkpoints: a region restarts alone.
-    target = cfg.checkpoint_target.rstrip("/") + f"/{ctx.region}" if sync == "diloco" else cfg.checkpoint_target
-    store = CheckpointStore(target, keep=cfg.checkpoint_keep, endpoint_url=cfg.checkpoint_endpoint, region=cfg.checkpoint_region)
-    step = 0
-    resumed_outer: dict[str, Any] | None = None
-    if cfg.resume and (latest := store.load_latest()) is not None:
-        step, state = latest
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        loader.load_state_dict(_loader_state(state["loaders"], ctx.region, ds.rank, rank))
-        resumed_outer = state.get("outer") or {}
-        log.warning("rank %d: resumed at step %d (epoch %d; %s rank %d)", rank, step, ds.epoch, ctx.region, ds.rank)
-    steps_path = cfg.out / f"steps-rank{rank}.jsonl"
-    keys_path = cfg.out / f"keys-rank{rank}.jsonl"
-    redone = max(0, _last_logged_step(steps_path) - step) if cfg.resume else 0  # steps this segment does again
-    outer = None
-    if sync == "diloco":
-        outer = OuterLoop(cfg, ctx, model)
-        outer.join(step, resumed_outer, redone)  # the newest outer parameters replace the checkpoint's
-    for p in (steps_path, keys_path):
-        if step:
-            _keep_steps(p, step)
-        else:
-            p.unlink(missing_ok=True)
-    segment = _next_segment(steps_path)
-    metrics = Metrics(None if cfg.metrics_port is None else cfg.metrics_port + rank, rank=rank, region=ctx.region, host=cfg.metrics_host)
-    with open(steps_path, "a") as steps_log, open(keys_path, "a") if cfg.log_keys else contextlib.nullcontext() as keys_log:
-        run = Run(cfg, ctx, ddp, comm, opt, loader, store, outer, metrics, steps_log, keys_log, segment)
-        summary = _loop(run, step)
-    if outer is not None:
-        outer.leave()
-    metrics.close()
-    summary.update(
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    loader.load_state_dict(_loader_state(state["loaders"], ctx.region, ds.rank, ctx.rank))
+    log.warning("rank %d: resumed at step %d (epoch %d; %s rank %d)", ctx.rank, step, ds.epoch, ctx.region, ds.rank)
+    return step, state.get("outer") or {}
+
+
+def _with_job(summary: RankSummary, cfg: TrainConfig, ctx: RankContext, loader: RegionalLoader, sync: str, redone: int) -> RankSummary:
+    """The loop's summary with where the rank ran and what its region's epochs read."""
+    ds = loader.dataset
+    remainder = ds.remainder()
+    return dataclasses.replace(
+        summary,
         backend=ctx.backend,
-        device=str(device),
+        device=str(ctx.device),
         world_size=ctx.world_size,
         region=ctx.region,
         region_rank=ds.rank,
         region_size=ds.world_size,
         sync=sync,
         samples_per_epoch=ds.samples_per_epoch * ds.world_size,
-        left_out_per_epoch=ds.remainder()["dropped_samples"],
-        repeated_per_epoch=ds.remainder()["padded_samples"],
+        left_out_per_epoch=remainder["dropped_samples"],
+        repeated_per_epoch=remainder["padded_samples"],
         region_samples=sum(s.samples for s in ds.manifest.shards),
-        segment=segment,
-        earlier_segments=_earlier_segments(cfg.out / f"rank{rank}.json", segment),
         egress_budget=ds.settings.egress_budget if ds.settings.egress_budget is not None else load_plan(cfg.plan).egress.budget,
         utilization_target=cfg.utilization_target,
         steps_redone=redone,
     )
-    Path(cfg.out / f"rank{rank}.json").write_text(json.dumps(summary, indent=1))
-    dist.barrier()
-    if rank == 0 and sync != "diloco":  # under DiLoCo regions end apart: the launcher writes the report
-        from geoshard.trainer.report import build_report, write_report
-
-        write_report(cfg.out, build_report(cfg.out, cfg.budget))
-    return summary
 
 
 def _announce(cfg: TrainConfig, ctx: RankContext, balance: Any, sync: str) -> None:
@@ -240,43 +249,20 @@ def _loader_state(states: Any, region: str, region_rank: int, rank: int) -> Any:
     return states[key]
 
 
-def _earlier_segments(summary_path: Path, segment: int) -> list[dict[str, Any]]:
-    """The summaries of this rank's earlier segments (a resume or restart writes the file anew), so
-    the report counts the loader's work of the whole run; a segment that died left none."""
-    if segment == 0:
-        return []
-    try:
-        old = json.loads(summary_path.read_text())
-    except (OSError, ValueError):
-        return []
-    if not isinstance(old, dict) or not isinstance(old.get("segment", 0), int) or old.get("segment", 0) >= segment:
-        return []
-    earlier = [e for e in old.pop("earlier_segments", None) or [] if isinstance(e, dict)]
-    return [*earlier, old]
+@dataclass(frozen=True)
+class _Batches:
+    """What one step's micro-batches took and gave."""
+
+    wait: float
+    compute: float
+    loss: float
+    samples: int
+    keys: list[str]
+    handed: float  # when the first one was handed out
 
 
-def _last_logged_step(steps_path: Path) -> int:
-    """The newest step in the rank's step log (before a resume trims it)."""
-    last = 0
-    if steps_path.exists():
-        for line in steps_path.read_text().splitlines():
-            with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
-                last = max(last, int(json.loads(line)["step"]))
-    return last
-
-
-def _next_segment(steps_path: Path) -> int:
-    """Each start of the loop (first run, resume, restart) is a new segment of the step log."""
-    last = -1
-    if steps_path.exists():
-        for line in steps_path.read_text().splitlines():
-            with contextlib.suppress(ValueError, TypeError, AttributeError):
-                last = max(last, int(json.loads(line).get("segment", 0)))
-    return last + 1
-
-
-def _loop(run: Run, step: int) -> dict[str, Any]:
-    cfg, ctx, loader, comm = run.cfg, run.ctx, run.loader, run.comm
+def _loop(run: Run, step: int) -> RankSummary:
+    cfg, ctx, loader = run.cfg, run.ctx, run.loader
     if len(loader) == 0:
         raise DataError(f"rank {ctx.rank}: this rank's share of region {ctx.region} is empty")
     batches = loader.stream()  # epoch after epoch; the next epoch's workers start before this one ends
@@ -287,27 +273,11 @@ def _loop(run: Run, step: int) -> dict[str, Any]:
     start_step = step
     while step < cfg.steps:
         t_step = clock()
-        wait = compute = 0.0
-        loss_sum = 0.0
-        keys: list[str] = []
-        n = 0
         run.opt.zero_grad(set_to_none=True)
-        comm.step = step
-        for micro in range(cfg.accum_steps):
-            t0 = clock()
-            batch = next(batches)
-            t1 = clock()
-            wait += t1 - t0
-            if first_batch is None:
-                first_batch = t1 - t_loop
-            if cfg.model == "none":  # the data path alone: the batch is consumed, --step-time is the compute
-                n += batch["n"]
-            else:
-                x, y = to_tensors(batch, ctx.device)
-                loss_sum += forward_backward(run.ddp, x, y, cfg.accum_steps, last=micro == cfg.accum_steps - 1)
-                n += len(y)
-            keys += batch["keys"]
-            compute += clock() - t1
+        run.comm.step = step
+        got = _micro_batches(run, batches)
+        if first_batch is None:
+            first_batch = got.handed - t_loop
         t2 = clock()
         if cfg.model != "none":
             run.opt.step()
@@ -315,27 +285,18 @@ def _loop(run: Run, step: int) -> dict[str, Any]:
             time.sleep(cfg.step_time)  # stated compute: no model, or a larger one than the built-in MLP
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
-        compute += clock() - t2
+        compute = got.compute + clock() - t2
         step += 1
-        samples += n
+        samples += got.samples
         if run.keys_log is not None:  # before the checkpoint: a resume after it never redoes this step
-            run.keys_log.write(json.dumps({"step": step, "region": ctx.region, "keys": keys}) + "\n")
-            run.keys_log.flush()
-        t_outer = clock()
-        if run.outer is not None:  # before the checkpoint, so one taken at a round holds its result
-            run.outer.after_step(step)
-            if step == cfg.steps:
-                run.outer.finish()  # a round still in flight (--outer-overlap), in this step's time
-        outer_s = clock() - t_outer if run.outer is not None else 0.0
-        ckpt = 0.0
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            ckpt = _checkpoint(step, run)
-        comm_s, intra_s, cross_s, cross_bytes = comm.take()
+            _log_keys(run.keys_log, step, ctx.region, got.keys)
+        outer_s, ckpt = _after_step(run, step)
+        comm_s, intra_s, cross_s, cross_bytes = run.comm.take()
         record = StepRecord(
             step=step,
             rank=ctx.rank,
             t=clock() - t_loop,
-            data_wait_s=wait,
+            data_wait_s=got.wait,
             compute_s=compute,
             step_s=clock() - t_step,
             comm_s=comm_s,
@@ -344,26 +305,76 @@ def _loop(run: Run, step: int) -> dict[str, Any]:
             checkpoint_s=ckpt,
             outer_sync_s=outer_s,
             cross_region_grad_bytes=cross_bytes,
-            loss=loss_sum if cfg.model != "none" else None,
-            samples=n,
+            loss=got.loss if cfg.model != "none" else None,
+            samples=got.samples,
             region=ctx.region,
             segment=run.segment,
         )
-        run.steps_log.write(json.dumps(record.to_json()) + "\n")
-        run.steps_log.flush()
-        if run.metrics.registry is not None:
-            util = gpu_utilization()
-            run.metrics.observe_step(record, loader.stats(), gpu_util=None if util is None else util / 100)
-    wall = clock() - t_loop
-    return {
-        "rank": ctx.rank,
-        "wall_s": wall,
-        "time_to_first_batch_s": first_batch if first_batch is not None else 0.0,
-        "steps": step - start_step,
-        "samples": samples,
-        "loader": loader.stats(),
-        "gpu_util": gpu_utilization(),
-    }
+        append_step(run.steps_log, record)
+        _observe(run, record)
+    return RankSummary(
+        rank=ctx.rank,
+        wall_s=clock() - t_loop,
+        time_to_first_batch_s=first_batch if first_batch is not None else 0.0,
+        steps=step - start_step,
+        samples=samples,
+        loader=_loader_summary(loader),
+        gpu_util=gpu_utilization(),
+    )
+
+
+def _micro_batches(run: Run, batches: Iterator[Any]) -> _Batches:
+    """Forward and backward over the step's micro-batches, with the time blocked on each."""
+    cfg, clock = run.cfg, time.perf_counter
+    wait = compute = loss = 0.0
+    keys: list[str] = []
+    n = 0
+    handed = 0.0
+    for micro in range(cfg.accum_steps):
+        t0 = clock()
+        batch = next(batches)
+        t1 = clock()
+        wait += t1 - t0
+        handed = t1 if micro == 0 else handed
+        if cfg.model == "none":  # the data path alone: the batch is consumed, --step-time is the compute
+            n += batch["n"]
+        else:
+            x, y = to_tensors(batch, run.ctx.device)
+            loss += forward_backward(run.ddp, x, y, cfg.accum_steps, last=micro == cfg.accum_steps - 1)
+            n += len(y)
+        keys += batch["keys"]
+        compute += clock() - t1
+    return _Batches(wait, compute, loss, n, keys, handed)
+
+
+def _log_keys(f: TextIO, step: int, region: str, keys: list[str]) -> None:
+    f.write(json.dumps({"step": step, "region": region, "keys": keys}) + "\n")
+    f.flush()
+
+
+def _after_step(run: Run, step: int) -> tuple[float, float]:
+    """The outer round (DiLoCo) and the checkpoint due after ``step``: their seconds."""
+    clock = time.perf_counter
+    t_outer = clock()
+    if run.outer is not None:  # before the checkpoint, so one taken at a round holds its result
+        run.outer.after_step(step)
+        if step == run.cfg.steps:
+            run.outer.finish()  # a round still in flight (--outer-overlap), in this step's time
+    outer_s = clock() - t_outer if run.outer is not None else 0.0
+    ckpt = 0.0
+    if step % run.cfg.checkpoint_every == 0 or step == run.cfg.steps:
+        ckpt = _checkpoint(step, run)
+    return outer_s, ckpt
+
+
+def _observe(run: Run, record: StepRecord) -> None:
+    if run.metrics.registry is not None:
+        util = gpu_utilization()
+        run.metrics.observe_step(record, _loader_summary(run.loader).stats, gpu_util=None if util is None else util / 100)
+
+
+def _loader_summary(loader: RegionalLoader) -> LoaderSummary:
+    return LoaderSummary.from_json(loader.stats(), "the loader's stats")
 
 
 def _checkpoint(step: int, run: Run) -> float:

@@ -20,7 +20,6 @@ With ``port=None`` nothing is imported or started and every method returns at on
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +28,7 @@ from geoshard.errors import ConfigError
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from geoshard.loaders.stats import RegionPair, StatsSnapshot
     from geoshard.trainer.record import StepRecord
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class Metrics:
         self._thread: Any = None
         self._waited = 0.0
         self._tiers: dict[str, tuple[float, float, float]] = {}  # tier -> last (bytes, hits, fetch_seconds)
-        self._egress: dict[str, float] = {}
+        self._egress: dict[RegionPair, int] = {}
         if port is None:
             return
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -108,7 +108,7 @@ class Metrics:
         self.port = int(self._server.server_address[1])
         log.info("rank %d metrics on http://%s:%d/metrics", rank, host, self.port)
 
-    def observe_step(self, record: StepRecord, loader_stats: Mapping[str, Any] | None, *, gpu_util: float | None = None) -> None:
+    def observe_step(self, record: StepRecord, loader_stats: StatsSnapshot | None, *, gpu_util: float | None = None) -> None:
         """Count one step record (as written to steps-rank{R}.jsonl) and the loader's cumulative stats."""
         m = self._m
         if m is None:
@@ -129,11 +129,11 @@ class Metrics:
         if loader_stats:
             self._observe_loader(m, loader_stats)
 
-    def _observe_loader(self, m: _Instruments, stats: Mapping[str, Any]) -> None:
+    def _observe_loader(self, m: _Instruments, stats: StatsSnapshot) -> None:
         # The loader's counters are cumulative; Prometheus counters take increments. A counter that
         # went down belongs to a new loader (new epoch or restart), so all of it is new.
-        for tier, c in (stats.get("tiers") or {}).items():
-            now = (float(c.get("bytes", 0)), float(c.get("hits", 0)), float(c.get("fetch_seconds", 0.0)))
+        for tier, c in stats.tiers.items():
+            now = (float(c.bytes), float(c.hits), float(c.fetch_seconds))
             before = self._tiers.get(tier, (0.0, 0.0, 0.0))
             if now[1] < before[1] or now[0] < before[0]:
                 before = (0.0, 0.0, 0.0)
@@ -142,14 +142,10 @@ class Metrics:
             hits = now[1] - before[1]
             if hits > 0:
                 m.tier_fetch.labels(**m.own, tier=tier).set(max(0.0, now[2] - before[2]) / hits)
-        for key, n in (stats.get("egress_bytes") or {}).items():
-            source, sep, reader = key.partition("->")
-            if not sep:
-                log.debug("egress key %r is not source->reader; skipped", key)
-                continue
-            last = self._egress.get(key, 0.0)
-            self._egress[key] = float(n)
-            m.egress.labels(**m.own, source=source, reader=reader).inc(n - last if n >= last else n)
+        for pair, n in stats.egress.items():
+            last = self._egress.get(pair, 0)
+            self._egress[pair] = n
+            m.egress.labels(**m.own, source=pair.source, reader=pair.reader).inc(n - last if n >= last else n)
 
     def close(self) -> None:
         """Stop the HTTP server; the metrics stay readable through ``registry``."""

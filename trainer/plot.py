@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from geoshard.trainer.record import StepRecord
 from geoshard.util.fsutil import write_atomic
 
 MAX_BARS = 400  # per rank; longer runs are shown as means over groups of consecutive steps
@@ -21,7 +22,7 @@ _WAIT, _COMPUTE, _SHARE, _BUDGET = "#d62728", "#1f77b4", "#2ca02c", "#333333"
 
 
 def plot_steps(
-    steps_by_rank: Mapping[int, Sequence[Mapping[str, Any]]],
+    steps_by_rank: Mapping[int, Sequence[StepRecord]],
     path: str | Path,
     *,
     budget: float | None = None,
@@ -31,8 +32,7 @@ def plot_steps(
     """Write a PNG with one subplot per rank: data wait and compute seconds per step (stacked bars)
     and, on the right axis, the step's data-wait share with ``budget`` as a dashed line.
 
-    ``steps_by_rank`` maps a rank to its step records (``step``, ``data_wait_s``, ``compute_s``,
-    ``step_s``). Beyond ``max_ranks`` ranks, those with the highest data-wait share are shown.
+    ``steps_by_rank`` maps a rank to its step records. Beyond ``max_ranks`` ranks, those with the highest data-wait share are shown.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -63,7 +63,7 @@ def plot_steps(
     return out
 
 
-def _rank_axes(ax: Any, rank: int, records: Sequence[Mapping[str, Any]], budget: float | None, legend: bool) -> None:
+def _rank_axes(ax: Any, rank: int, records: Sequence[StepRecord], budget: float | None, legend: bool) -> None:
     x, wait, compute, share, per_bar = _bars(records)
     label = f"rank {rank}: {len(records)} steps"
     if per_bar > 1:
@@ -92,23 +92,23 @@ def _rank_axes(ax: Any, rank: int, records: Sequence[Mapping[str, Any]], budget:
         ax.legend(handles=handles, loc="upper right", fontsize=8, ncols=len(handles))
 
 
-def _bars(records: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[float], list[float], list[float], int]:
+def _bars(records: Sequence[StepRecord]) -> tuple[list[float], list[float], list[float], list[float], int]:
     """Bar positions and heights, grouping consecutive steps so a rank has at most MAX_BARS bars."""
     per_bar = max(1, math.ceil(len(records) / MAX_BARS))
     x, wait, compute, share = [], [], [], []
     for i in range(0, len(records), per_bar):
         group = records[i : i + per_bar]
         n = len(group)
-        w = sum(float(r["data_wait_s"]) for r in group)
-        x.append(sum(float(r["step"]) for r in group) / n)
+        w = sum(r.data_wait_s for r in group)
+        x.append(sum(r.step for r in group) / n)
         wait.append(w / n)
-        compute.append(sum(float(r["compute_s"]) for r in group) / n)
-        share.append(_ratio(w, sum(float(r["step_s"]) for r in group)))
+        compute.append(sum(r.compute_s for r in group) / n)
+        share.append(_ratio(w, sum(r.step_s for r in group)))
     return x, wait, compute, share, per_bar
 
 
-def _wait_share(records: Sequence[Mapping[str, Any]]) -> float:
-    return _ratio(sum(float(r["data_wait_s"]) for r in records), sum(float(r["step_s"]) for r in records))
+def _wait_share(records: Sequence[StepRecord]) -> float:
+    return _ratio(sum(r.data_wait_s for r in records), sum(r.step_s for r in records))
 
 
 def _ratio(part: float, whole: float) -> float:

@@ -1,15 +1,24 @@
 """The step record: one optimizer step of one rank, as the loop writes it to
 ``RUN_DIR/steps-rank{R}.jsonl``, the report reads it back and the metrics count it. One schema,
-here, for all three."""
+here, for all of them, with its one writer (``append_step``) and its one reader (``parse_step``,
+``read_steps``)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from pathlib import Path
+from typing import Any, TextIO, TypeGuard
 
 from geoshard.errors import DataError
+
+log = logging.getLogger(__name__)
+
+STEP_VERSION = 1  # records without a version are version 1
 
 # Seconds every record has; the rest default to 0 (records of older versions lack them).
 REQUIRED_SECONDS = ("t", "data_wait_s", "compute_s", "step_s")
@@ -36,13 +45,16 @@ class StepRecord:
     segment: int = 0  # restarts and resumes start a new segment; its t counts from its own start
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"version": STEP_VERSION, **dataclasses.asdict(self)}
 
     @classmethod
     def from_json(cls, rec: Any, where: str, rank: int) -> StepRecord:
         """A record read back; DataError naming ``where`` (file:line) and the field when it is wrong."""
         if not isinstance(rec, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        version = rec.get("version", 1)
+        if not _is_int(version) or version > STEP_VERSION:
+            raise DataError(f"{where}: a step record of version {version!r}; this geoshard reads up to {STEP_VERSION}: upgrade it")
         if not _is_int(rec.get("step")):
             raise DataError(f"{where}: step must be an integer, got {rec.get('step')!r}")
         if rec.get("rank", rank) != rank:
@@ -75,6 +87,51 @@ class StepRecord:
             segment=ints["segment"],
             **seconds,
         )
+
+
+def append_step(f: TextIO, record: StepRecord) -> None:
+    """The one writer: a line per record, flushed, so a killed rank still leaves its history."""
+    f.write(json.dumps(record.to_json()) + "\n")
+    f.flush()
+
+
+def write_steps(path: Path, records: Iterable[StepRecord]) -> None:
+    """The step log anew with ``records`` (a resume forgets the steps it is about to redo)."""
+    with path.open("w", encoding="utf-8") as f:
+        for r in records:
+            append_step(f, r)
+
+
+def parse_step(line: str | bytes, where: str, rank: int) -> StepRecord:
+    """One line of a step log; DataError naming ``where`` when it is not a step record."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
+    return StepRecord.from_json(rec, where, rank)
+
+
+def read_steps(path: Path, rank: int) -> list[StepRecord]:
+    """The one reader of a step log. A last line cut off mid-write (the rank was writing it, or
+    died) is skipped; anything else that is wrong raises DataError naming the file and line."""
+    records = []
+    try:
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(parse_step(line, f"{path}:{lineno}", rank))
+                except DataError as e:
+                    if not line.endswith("\n") and isinstance(e.__cause__, json.JSONDecodeError):
+                        log.warning("%s:%d: skipping an incomplete last line", path, lineno)
+                        break
+                    raise
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror})") from e
+    return records
 
 
 def _is_number(v: Any) -> TypeGuard[int | float]:

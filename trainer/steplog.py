@@ -19,7 +19,6 @@ to asking for the next one is its compute (your forward, backward and optimizer 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -27,7 +26,8 @@ from types import TracebackType
 from typing import Any
 
 from geoshard.loaders.loader import Timed, timed
-from geoshard.trainer.record import StepRecord
+from geoshard.trainer.record import StepRecord, append_step
+from geoshard.trainer.summary import LoaderSummary, RankSummary, write_summary
 
 
 class StepLog:
@@ -98,8 +98,7 @@ class StepLog:
                 samples=n,
                 region=self.region,
             )
-            self.file.write(json.dumps(record.to_json()) + "\n")
-            self.file.flush()
+            append_step(self.file, record)
 
     def close(self) -> None:
         """Write the rank summary (RUN_DIR/rank{R}.json): the run is then complete for the report."""
@@ -107,19 +106,18 @@ class StepLog:
             return
         self.file.close()
         stats = getattr(self.loader, "stats", None)
-        summary = {
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "region": self.region,
-            "wall_s": self.clock() - self.started,
-            "time_to_first_batch_s": self.first_batch if self.first_batch is not None else 0.0,
-            "steps": self.step,
-            "samples": self.samples,
-            "loader": stats() if callable(stats) else None,
-            "gpu_util": None,
-            "segment": 0,
-        }
-        (self.run_dir / f"rank{self.rank}.json").write_text(json.dumps(summary, indent=1))
+        summary = RankSummary(
+            rank=self.rank,
+            world_size=self.world_size,
+            region=self.region,
+            wall_s=self.clock() - self.started,
+            time_to_first_batch_s=self.first_batch if self.first_batch is not None else 0.0,
+            steps=self.step,
+            samples=self.samples,
+            loader=LoaderSummary.from_json(stats(), "the loader's stats") if callable(stats) else None,
+            segment=0,
+        )
+        write_summary(self.run_dir, summary)
 
 
 def batch_size(batch: Any) -> int:

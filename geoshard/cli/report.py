@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from geoshard.cli.progress import UNCUT_WIDTH, stdout_console
+from geoshard.loaders.stats import StatsSnapshot
 from geoshard.trainer.report import DEFAULT_BUDGET, build_report, write_report
 from geoshard.util.units import human_bytes
 
@@ -270,9 +271,8 @@ def _egress_table(r: Mapping[str, Any]) -> Table:
     table.add_column("from bucket")
     table.add_column("read in")
     table.add_column("bytes", justify="right")
-    for key, n in r["egress_bytes"].items():
-        source, _, reader = key.partition("->")
-        table.add_row(source, reader, human_bytes(n))
+    for pair, n in StatsSnapshot.from_dict(r, "the report").egress.items():
+        table.add_row(pair.source, pair.reader, human_bytes(n))
     budget, most = r.get("egress_budget_bytes"), r.get("egress_bytes_max_rank", 0)
     if budget:
         note = f"budget {human_bytes(budget)} per rank (egress.budget): the most one rank read is {human_bytes(most)}, {most / budget:.0%}"

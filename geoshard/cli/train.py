@@ -34,8 +34,8 @@ class TrainingFailed(GeoshardError):
 @click.option("--overwrite", is_flag=True, help="Start over in an --out that holds an earlier run (without --resume it is refused).")
 def train(nproc: int, regions_spec: str | None, wan_matrix: Path | None, max_restarts: int, overwrite: bool, **kwargs: Any) -> None:
     """Train with torchrun on this node and print the IO-wait report."""
-    from geoshard.cli.progress import TrainProgress
     from geoshard.cli.report import render_report
+    from geoshard.cli.train_progress import TrainProgress
     from geoshard.plan import load_plan
     from geoshard.trainer.config import parse_regions
     from geoshard.trainer.launch import launch, launch_regions
