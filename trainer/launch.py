@@ -7,7 +7,7 @@ WAN rehearsal each agent runs inside its region's network namespace (``wrap``) a
 region's address, so every byte between regions crosses the rehearsal's links.
 
 ``--sync diloco``: each region is a torchrun job of its own (its own rendezvous, its own world),
-and the region leaders meet in a store this process hosts (``trainer/diloco.py``). A region that
+and the region leaders meet in a store this process hosts (``trainer/diloco/``). A region that
 fails does not stop the others; the launcher starts it again (``--max-restarts`` times, with
 ``--resume``), as a replacement node would be after a spot reclaim, and it rejoins the job.
 """

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from geoshard.errors import ConfigError, DataError
-from geoshard.trainer.outer_report import outer_section, utilization
+from geoshard.trainer.diloco.report import outer_section, utilization
 from geoshard.trainer.record import StepRecord
 from geoshard.util.fsutil import write_atomic
 
