@@ -82,8 +82,11 @@ def torchrun_argv(
 
 
 def _base_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    # PYTHONSAFEPATH: with geoshard installed from a wheel, `-m geoshard.trainer` started in a checkout
+    # of this repository would import its geoshard/ folder, which has no trainer (an editable install
+    # maps geoshard.trainer either way).
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: restarted ranks get a fresh store (see torchrun_argv).
-    return {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
+    return {**os.environ, "PYTHONSAFEPATH": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
 
 
 def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0, env: Mapping[str, str] | None = None) -> int:
