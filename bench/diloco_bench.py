@@ -167,12 +167,12 @@ def one_run(
 
 
 def _round_syncs(out: Path) -> dict[str, dict[str, float]]:
-    from geoshard.trainer.outer_report import read_rounds
+    from geoshard.trainer.diloco.record import read_rounds
 
     table: dict[str, dict[str, float]] = {}
     for rec in read_rounds(out):
-        if rec["event"] == "round":
-            table.setdefault(str(rec["round"]), {})[rec["region"]] = round(float(rec["sync_s"]), 3)
+        if rec.event == "round":
+            table.setdefault(str(rec.round), {})[rec.region] = round(rec.sync_s, 3)
     return table
 
 

@@ -2,11 +2,6 @@
 ``geoshard train``); gradient accumulation and the fp16 gradient exchange against plain DDP (in
 this process); a resumed run against an uninterrupted one; a rank SIGKILLed under torchrun
 ``--max-restarts 1``; and a slow Alluxio tier that puts a run over its IO-wait budget.
-
-torchrun runs from a temporary folder here: ``python -m geoshard.trainer`` started in the
-repository root would import the repository's ``geoshard/`` folder, which has no ``trainer``,
-instead of the installed package. ``geoshard train`` guards against that itself (PYTHONSAFEPATH),
-so its test runs from pytest's working directory.
 """
 
 from __future__ import annotations

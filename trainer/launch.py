@@ -7,7 +7,7 @@ WAN rehearsal each agent runs inside its region's network namespace (``wrap``) a
 region's address, so every byte between regions crosses the rehearsal's links.
 
 ``--sync diloco``: each region is a torchrun job of its own (its own rendezvous, its own world),
-and the region leaders meet in a store this process hosts (``trainer/diloco.py``). A region that
+and the region leaders meet in a store this process hosts (``trainer/diloco/``). A region that
 fails does not stop the others; the launcher starts it again (``--max-restarts`` times, with
 ``--resume``), as a replacement node would be after a spot reclaim, and it rejoins the job.
 """
@@ -31,6 +31,7 @@ from typing import Any
 from geoshard.errors import ConfigError
 from geoshard.trainer.config import RegionRanks, TrainConfig
 from geoshard.trainer.failures import StderrRelay, clear_failures, logs_dir
+from geoshard.util.procs import terminate
 
 AGENT_TAG = "GEOSHARD_AGENT"  # marks a region's processes under --sync diloco (kill_tagged)
 STOP_GRACE_S = 10.0  # after one agent fails, how long the others get to stop before SIGKILL
@@ -81,8 +82,9 @@ def torchrun_argv(
 
 
 def _base_env(env: Mapping[str, str] | None) -> dict[str, str]:
-    # PYTHONSAFEPATH: `-m geoshard.trainer` must import the installed package, not a geoshard/
-    # source folder that happens to be in the current directory (a checkout of this repository).
+    # PYTHONSAFEPATH: with geoshard installed from a wheel, `-m geoshard.trainer` started in a checkout
+    # of this repository would import its geoshard/ folder, which has no trainer (an editable install
+    # maps geoshard.trainer either way).
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: restarted ranks get a fresh store (see torchrun_argv).
     return {**os.environ, "PYTHONSAFEPATH": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
 
@@ -167,7 +169,7 @@ def launch_regions(
             relays.append(StderrRelay(proc.stderr, logs / "stderr.log", seen=seen))
         return _wait_all(procs)
     finally:
-        _stop(procs)
+        terminate(procs, STOP_GRACE_S)
         for relay in relays:
             relay.join()
         del store
@@ -189,60 +191,81 @@ def _launch_separate_regions(
     for r in regions:  # each region's rendezvous inside its own network: nothing of it crosses a link
         with net.inside(r.region):
             stores[r.region] = _rendezvous_store(net.address(r.region))
-    logs, seen = _fresh_logs(cfg), set[bytes]()
-    relays: list[StderrRelay] = []
-    running: dict[str, subprocess.Popen[bytes]] = {}
-    starts = dict.fromkeys((r.region for r in regions), 0)
-    tags: dict[str, str] = {}
+    jobs = _RegionJobs(job_cfg, max_restarts, env, net, stores, _fresh_logs(cfg))
+    try:
+        for r in regions:
+            jobs.start(r)
+        return jobs.supervise(regions)
+    finally:
+        jobs.stop()
+        del outer  # the stores go with this frame, after every region stopped
 
-    def start(r: RegionRanks) -> None:
-        region_cfg = job_cfg if starts[r.region] == 0 else dataclasses.replace(job_cfg, resume=True)
-        address = net.address(r.region)
+
+@dataclass
+class _RegionJobs:
+    """DiLoCo's regions as torchrun jobs of their own; a region that fails starts again (with
+    ``--resume``) up to ``max_restarts`` times."""
+
+    cfg: TrainConfig
+    max_restarts: int
+    env: Mapping[str, str]
+    net: RegionNet
+    stores: dict[str, Any]  # each region's rendezvous store
+    logs: Path
+    seen: set[bytes] = dataclasses.field(default_factory=set)
+    relays: list[StderrRelay] = dataclasses.field(default_factory=list)
+    running: dict[str, subprocess.Popen[bytes]] = dataclasses.field(default_factory=dict)
+    starts: dict[str, int] = dataclasses.field(default_factory=dict)
+    tags: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def start(self, r: RegionRanks) -> None:
+        n = self.starts.get(r.region, 0)
+        region_cfg = self.cfg if n == 0 else dataclasses.replace(self.cfg, resume=True)
+        address = self.net.address(r.region)
         argv = torchrun_argv(
             region_cfg,
             r.nproc,
-            max_restarts,
-            stores[r.region].port,
+            self.max_restarts,
+            self.stores[r.region].port,
             host=address,
             local_addr=address,
             is_host=False,
-            run_id=f"geoshard-{r.region}-{os.getpid()}-{starts[r.region]}",
+            run_id=f"geoshard-{r.region}-{os.getpid()}-{n}",
         )
-        tags[r.region] = f"{os.getpid()}-{time.time_ns()}-{r.region}"
-        agent_env = _base_env({**env, **net.env(r.region), "GEOSHARD_REGION": r.region, AGENT_TAG: tags[r.region]})
-        proc = subprocess.Popen(net.wrap(r.region, argv), env=agent_env, stderr=subprocess.PIPE)  # noqa: S603
+        self.tags[r.region] = f"{os.getpid()}-{time.time_ns()}-{r.region}"
+        agent_env = _base_env({**self.env, **self.net.env(r.region), "GEOSHARD_REGION": r.region, AGENT_TAG: self.tags[r.region]})
+        proc = subprocess.Popen(self.net.wrap(r.region, argv), env=agent_env, stderr=subprocess.PIPE)  # noqa: S603
         assert proc.stderr is not None
-        relays.append(StderrRelay(proc.stderr, logs / "stderr.log", seen=seen))
-        running[r.region] = proc
-        starts[r.region] += 1
+        self.relays.append(StderrRelay(proc.stderr, self.logs / "stderr.log", seen=self.seen))
+        self.running[r.region] = proc
+        self.starts[r.region] = n + 1
 
-    code = 0
-    try:
-        for r in regions:
-            start(r)
-        while running:
+    def supervise(self, regions: Sequence[RegionRanks]) -> int:
+        """Until every region has ended for good: the first failing region's exit status, else 0."""
+        code = 0
+        while self.running:
             for r in regions:
-                proc = running.get(r.region)
+                proc = self.running.get(r.region)
                 if proc is None or proc.poll() is None:
                     continue
-                del running[r.region]
+                del self.running[r.region]
                 if proc.returncode == 0:
                     continue
-                kill_tagged(tags[r.region])  # what is left of the region: ranks in their own sessions, loader workers
-                if starts[r.region] <= max_restarts:
+                kill_tagged(self.tags[r.region])  # what is left of the region: ranks in their own sessions, loader workers
+                if self.starts[r.region] <= self.max_restarts:
                     print(f"geoshard: region {r.region} stopped (exit {proc.returncode}); starting it again", file=sys.stderr, flush=True)
-                    start(r)
+                    self.start(r)
                 elif code == 0:
                     code = proc.returncode
             time.sleep(0.1)
         return code
-    finally:
-        _stop(list(running.values()))
-        for tag in tags.values():
+
+    def stop(self) -> None:
+        terminate(list(self.running.values()), STOP_GRACE_S)
+        for tag in self.tags.values():
             kill_tagged(tag)
-        for relay in relays:
+        for relay in self.relays:
             relay.join()
-        del outer  # the stores go with this frame, after every region stopped
 
 
 def kill_tagged(tag: str) -> int:
@@ -281,16 +304,3 @@ def _wait_all(procs: list[subprocess.Popen[bytes]]) -> int:
         if failed_at is not None and time.monotonic() - failed_at > STOP_GRACE_S:
             return code
         time.sleep(0.1)
-
-
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()

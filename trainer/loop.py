@@ -31,9 +31,9 @@ from geoshard.trainer.checkpoint import CheckpointStore
 from geoshard.trainer.comm import CommState, hierarchical_hook, resolve_sync, timed_allreduce_hook
 from geoshard.trainer.config import TrainConfig
 from geoshard.trainer.context import RankContext
+from geoshard.trainer.diloco.loop import OuterLoop
 from geoshard.trainer.metrics import Metrics
 from geoshard.trainer.model import Net, collate, count_collate, to_tensors
-from geoshard.trainer.outer import OuterLoop
 from geoshard.trainer.record import StepRecord, append_step
 from geoshard.trainer.runlog import RunLogs
 from geoshard.trainer.summary import LoaderSummary, RankSummary

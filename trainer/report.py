@@ -17,7 +17,7 @@ from typing import Any
 
 from geoshard.errors import ConfigError
 from geoshard.loaders.stats import StatsSnapshot, merge
-from geoshard.trainer.outer_report import outer_section, utilization
+from geoshard.trainer.diloco.report import outer_section, utilization
 from geoshard.trainer.record import StepRecord
 from geoshard.trainer.rundir import (
     RankRun,

@@ -19,10 +19,11 @@ import shutil
 import signal
 import struct
 import subprocess
-import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+from geoshard.util.procs import terminate
 from geoshard.wan.errors import WanError
 
 log = logging.getLogger(__name__)
@@ -96,11 +97,9 @@ def delete_namespace(name: str, grace: float = 0.0) -> None:
     A namespace disappears when its name is removed and no process holds it; the TUN device inside
     goes with it, or earlier, when the forwarder closes its file descriptor.
     """
-    if grace > 0 and kill_inside(name, signal.SIGTERM):
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and namespace_pids(name):
-            time.sleep(0.05)
-    kill_inside(name, signal.SIGKILL)
+    if grace > 0:
+        terminate([Inside(name)], grace)
+    kill_inside(name, signal.SIGKILL)  # what is left, or started meanwhile
     try:
         run_ip("netns", "delete", name)
     except WanError:
@@ -125,6 +124,20 @@ def namespace_pids(name: str) -> list[int]:
         if (ns.st_dev, ns.st_ino) == key:
             pids.append(int(entry))
     return pids
+
+
+@dataclass(frozen=True)
+class Inside:
+    """The processes in namespace ``name``, as ``geoshard.util.procs.terminate`` ends them: signalled
+    together (through pidfds), running while any is left."""
+
+    name: str
+
+    def send_signal(self, sig: int) -> None:
+        kill_inside(self.name, sig)
+
+    def poll(self) -> int | None:
+        return None if any(pid != os.getpid() for pid in namespace_pids(self.name)) else 0
 
 
 def kill_inside(name: str, sig: int) -> int:

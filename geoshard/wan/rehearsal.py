@@ -27,13 +27,14 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import IO, Any
 
-from geoshard.wan import netns
+from geoshard.util.procs import terminate, wait_or_kill
+from geoshard.wan import ceiling, netns
+from geoshard.wan.ceiling import Ceiling
 from geoshard.wan.errors import NeedsRootError, WanError
 from geoshard.wan.matrix import WanMatrix
 from geoshard.wan.relay import Relay
@@ -46,20 +47,8 @@ SUBNET = "198.18.0"  # benchmarking range (RFC 2544), used only inside our names
 MAX_REGIONS = 254  # one address each in SUBNET
 START_TIMEOUT = 15.0
 STOP_GRACE = 2.0
-CEILING_WINDOW = 0.4  # seconds per probe (small packets, then large ones)
 _CAP_NET_ADMIN = 12
 _CAP_SYS_ADMIN = 21  # `ip netns add` mounts the namespace
-
-
-@dataclass(frozen=True)
-class Ceiling:
-    """What the forwarder itself moves with no delay and no cap: above this, results measure the forwarder, not the link."""
-
-    packets_per_s: float  # small packets (a 1-byte UDP payload)
-    mb_per_s: float  # MTU-sized packets, 10**6 bytes per second
-
-    def __str__(self) -> str:
-        return f"forwarder ceiling: {self.packets_per_s:,.0f} packets/s, {self.mb_per_s:,.0f} MB/s ({self.mb_per_s * 8:,.0f} Mbit/s)"
 
 
 @dataclass(frozen=True)
@@ -244,13 +233,10 @@ class Rehearsal:
                 fwd.stdin.write(b'{"op": "stop"}\n')
                 fwd.stdin.flush()
             _close(fwd.stdin, fwd.stdout)
-            _reap(fwd, 5.0)
+            wait_or_kill(fwd, 5.0)
         names = list(self._names.values())
         # What still runs inside gets SIGTERM everywhere at once, one grace period in all, then SIGKILL.
-        if sum(netns.kill_inside(n, signal.SIGTERM) for n in names):
-            deadline = time.monotonic() + STOP_GRACE
-            while time.monotonic() < deadline and any(netns.namespace_pids(n) for n in names):
-                time.sleep(0.05)
+        terminate([netns.Inside(n) for n in names], STOP_GRACE)
         errors = []
         for name in names:
             try:
@@ -265,7 +251,7 @@ class Rehearsal:
                 dog.stdin.write(b"stop\n")  # a normal stop: it finds nothing left and exits (a forked child may hold the pipe open)
                 dog.stdin.flush()
             _close(dog.stdin)
-            _reap(dog, 10.0)
+            wait_or_kill(dog, 10.0)
             _close(dog.stdout)
         if errors:
             raise WanError(f"could not remove every WAN namespace: {errors[0]}")
@@ -361,35 +347,13 @@ class Rehearsal:
         return out
 
     def _measure_ceiling(self) -> Ceiling:
-        """Blast UDP from the first region to the second with no delay and no cap; count what the forwarder delivers."""
         a, b = self.regions[0], self.regions[1]
-        with netns.inside(self._names[b]):
-            rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        with netns.inside(self._names[a]):
-            tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        with rx, tx:
-            rx.bind((self._addresses[b], 0))  # bound, never read: the kernel drops when full, no ICMP back
-            tx.bind((self._addresses[a], 0))
-            tx.setblocking(False)
-            dest = rx.getsockname()
-            pps, _ = self._blast(tx, dest, b"x", (a, b))
-            _, bps = self._blast(tx, dest, bytes(MTU - 28), (a, b))
-        return Ceiling(packets_per_s=pps, mb_per_s=bps / 1e6)
 
-    def _blast(self, tx: socket.socket, dest: tuple[str, int], payload: bytes, pair: tuple[str, str]) -> tuple[float, float]:
-        before = self._pairs(since_start=False)[pair]
-        t0 = time.monotonic()
-        end = t0 + CEILING_WINDOW
-        send = tx.sendto
-        while time.monotonic() < end:
-            for _ in range(64):
-                try:
-                    send(payload, dest)
-                except OSError:  # the device queue is full (ENOBUFS) or the socket buffer (EAGAIN): the forwarder is behind
-                    break
-        after = self._pairs(since_start=False)[pair]
-        dt = time.monotonic() - t0
-        return (after[1] - before[1]) / dt, (after[0] - before[0]) / dt
+        def delivered() -> tuple[int, int]:
+            nbytes, packets, _ = self._pairs(since_start=False)[(a, b)]
+            return nbytes, packets
+
+        return ceiling.measure((self._names[a], self._addresses[a]), (self._names[b], self._addresses[b]), MTU, delivered)
 
     def _catch_sigterm(self) -> None:
         # SIGTERM's default kills us without unwinding; as SystemExit it runs stop(). Only when nobody else handles it.
@@ -416,11 +380,3 @@ def _close(*streams: IO[bytes] | None) -> None:
         if s is not None:
             with contextlib.suppress(OSError):
                 s.close()
-
-
-def _reap(proc: subprocess.Popen[bytes], timeout: float) -> None:
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()

@@ -58,7 +58,7 @@ def digest(model: nn.Module) -> str:
 
 
 def record(rec: RoundRecord | None) -> dict[str, Any]:
-    return {} if rec is None else {k: list(v) if isinstance(v, tuple) else v for k, v in rec.__dict__.items()}
+    return {} if rec is None else rec.to_dict()
 
 
 class Region:

@@ -12,9 +12,7 @@ result instead of its own).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -23,13 +21,12 @@ from torch import nn
 from geoshard.errors import ConfigError
 from geoshard.trainer.config import TrainConfig, parse_host_port
 from geoshard.trainer.context import RankContext
-from geoshard.trainer.diloco import DiLoCo, OuterSync, RoundRecord, connect_store
+from geoshard.trainer.diloco.kv import connect_store
+from geoshard.trainer.diloco.rank import DiLoCo
+from geoshard.trainer.diloco.record import RoundRecord, append, rounds_path
+from geoshard.trainer.diloco.settings import OuterSync
 
 log = logging.getLogger(__name__)
-
-
-def rounds_path(out: Path, region: str) -> Path:
-    return out / f"rounds-{region}.jsonl"
 
 
 def outer_settings(cfg: TrainConfig) -> OuterSync:
@@ -73,8 +70,7 @@ class OuterLoop:
             # round, which its checkpoint held, are gone.
             lost += step - int(resumed.get("last_round_step", step))
         self.last_round_step = step
-        record = {"event": "join", "round": rec.round, "step": step, "created": rec.created, "bytes_read": rec.bytes_read}
-        self._write({**record, "steps_lost": lost})
+        self._write(RoundRecord(rec.round, step, bytes_read=rec.bytes_read, event="join", created=rec.created, steps_lost=lost))
 
     def after_step(self, step: int) -> None:
         self._record(self.diloco.maybe_sync(step))
@@ -88,7 +84,7 @@ class OuterLoop:
             return
         lost = rec.step - self.last_round_step if rec.adopted else 0
         self.last_round_step = rec.step
-        self._write({"event": "round", **dataclasses.asdict(rec), "steps_lost": lost})
+        self._write(dataclasses.replace(rec, steps_lost=lost))
 
     def state(self) -> dict[str, Any]:
         """What the region's checkpoint keeps of the outer loop."""
@@ -98,8 +94,6 @@ class OuterLoop:
         self.finish()
         self.diloco.leave()
 
-    def _write(self, record: dict[str, Any]) -> None:
-        if not self.leader:
-            return
-        with open(self.path, "a") as f:  # append-only and flushed per line: a killed region keeps its history
-            f.write(json.dumps({"region": self.region, "job": self.job, **record}) + "\n")
+    def _write(self, rec: RoundRecord) -> None:
+        if self.leader:
+            append(self.path, dataclasses.replace(rec, region=self.region, job=self.job))

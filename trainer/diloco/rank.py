@@ -1,0 +1,221 @@
+"""``DiLoCo``: one per rank. The region leader (in-region rank 0) keeps the outer optimizer and
+runs the exchange through the store; every rank of the region takes the new parameters by
+broadcast in the region's own process group."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from geoshard.errors import ConfigError
+from geoshard.trainer.diloco.exchange import Exchange, Pending
+from geoshard.trainer.diloco.kv import KV, OuterSyncError, Store
+from geoshard.trainer.diloco.optimizer import OuterOptimizer, latest
+from geoshard.trainer.diloco.record import JoinRecord, RoundRecord
+from geoshard.trainer.diloco.settings import OuterSync, encode
+
+log = logging.getLogger(__name__)
+
+
+class DiLoCo:
+    """``join(store)`` first (collective in the region), then ``maybe_sync(step)`` after every inner
+    optimizer step: every ``outer_steps`` steps it runs a round and returns its ``RoundRecord``.
+    ``group`` is the region's own process group (``None`` for a one-rank region).
+    """
+
+    def __init__(
+        self, model: nn.Module, sync: OuterSync, region: str, regions: Sequence[str], group: Any = None, prefix: str = "diloco"
+    ) -> None:
+        bad = [g for g in regions if not g or "," in g or "/" in g]
+        if bad or len(set(regions)) != len(regions):
+            raise ConfigError(f"DiLoCo: the job's regions must be distinct names without ',' or '/', got {', '.join(regions)}")
+        if region not in regions:
+            raise ConfigError(f"region {region!r} is not one of the job's regions ({', '.join(regions)})")
+        self.model = model
+        self.sync = sync
+        self.region = region
+        self.regions = tuple(regions)
+        self.group = group
+        self.prefix = prefix
+        self.params = [p for p in model.parameters()]
+        self.is_leader = group is None or dist.get_rank(group) == 0
+        self.round = 0  # the next round this region takes part in
+        self.store: Store | None = None
+        self._opt = OuterOptimizer(sync)
+        self._exchange: Exchange | None = None  # the leader's, from join on
+        self._pending: Pending | None = None  # the round in flight (overlap_steps > 0)
+        self._step = 0  # the last inner step maybe_sync saw
+
+    @property
+    def outer(self) -> torch.Tensor:
+        """The outer parameters (flat fp32), on the leader."""
+        return self._opt.params
+
+    def _leader(self) -> Exchange:
+        if self._exchange is None:
+            raise OuterSyncError("DiLoCo: call join(store) before the first round")
+        return self._exchange
+
+    # -- flat views -------------------------------------------------------------------------
+    def _flat(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+
+    def _load_flat(self, flat: torch.Tensor) -> None:
+        i = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                p.copy_(flat[i : i + n].view_as(p))
+                i += n
+
+    def _in_region(self, obj: Any, params: torch.Tensor | None = None) -> Any:
+        """Leader's new parameters (``params``, else the outer ones) and ``obj`` → every rank of the region."""
+        if self.group is None:
+            return obj
+        flat = (self.outer if params is None else params).clone() if self.is_leader else self._flat()
+        dist.broadcast(flat, group=self.group, group_src=0)
+        box = [obj]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        if not self.is_leader:
+            self._load_flat(flat)
+        return box[0]
+
+    # -- join -------------------------------------------------------------------------------
+    def _contract(self) -> dict[str, Any]:
+        """What every region of the job must agree on (timeouts may differ)."""
+        s = self.sync
+        return {
+            "regions": list(self.regions),
+            "parameters": sum(p.numel() for p in self.params),
+            "outer_steps": s.outer_steps,
+            "outer_lr": s.outer_lr,
+            "outer_momentum": s.outer_momentum,
+            "nesterov": s.nesterov,
+            "compression": s.compression,
+        }
+
+    def _check_contract(self, kv: KV) -> None:
+        value = kv.get_if(kv.key("config"))
+        if value is None:
+            return
+        theirs = json.loads(value)
+        ours = self._contract()
+        diff = [f"{k} {ours[k]} (the job has {theirs.get(k)})" for k in ours if theirs.get(k) != ours[k]]
+        if diff:
+            raise ConfigError(f"DiLoCo: region {self.region} does not match the job's outer settings: {'; '.join(diff)}")
+
+    def join(self, store: Store | None) -> JoinRecord:
+        """Start from the newest published outer state (a region restarting: live recovery), or, in a
+        fresh job, the first region publishes its own parameters as round 0 and the others take them."""
+        rec: JoinRecord | None = None
+        if self.is_leader:
+            if store is None:
+                raise ConfigError("DiLoCo.join: the region leader needs the outer store")
+            rec = self._join_store(store)
+            log.info("DiLoCo: region %s starts from outer round %d (step %d)", self.region, rec.round, rec.step)
+        rec = self._in_region(rec)
+        assert rec is not None
+        self.round = rec.round + 1
+        return rec
+
+    def _join_store(self, store: Store) -> JoinRecord:
+        """The leader's part of ``join``."""
+        self.store = store
+        kv = KV(store, self.prefix)
+        ex = self._exchange = Exchange(kv, self.sync, self.region, self.regions, self._opt, self.params[0].device)
+        newest = latest(kv)
+        if newest is None and self.region == self.regions[0] and store.add(kv.key("created"), 1) == 1:
+            self._opt.reset(self._flat(), None)
+            store.set(kv.key("config"), json.dumps(self._contract()))
+            ex.roster.start()
+            self._opt.publish(kv, 0, 0)
+            rec = JoinRecord(0, 0, True, 0)
+        else:
+            if newest is None:
+                kv.wait_key(kv.key("latest"), self.sync.join_timeout_s, "the job's first outer state")
+                newest = latest(kv)
+                assert newest is not None
+            self._check_contract(kv)
+            r, step, nbytes = self._opt.adopt_latest(kv, newest, self.params[0].device)
+            rec = JoinRecord(r, step, False, nbytes)
+        self._load_flat(self.outer)
+        # The others wait for this region from the round after the one it starts from.
+        ex.roster.announce(self.region, rec.round + 1)
+        return rec
+
+    # -- the outer round ------------------------------------------------------------------------
+    def maybe_sync(self, step: int) -> RoundRecord | None:
+        """After inner step ``step`` (1-based): a round when ``step`` is a multiple of ``outer_steps``;
+        with ``overlap_steps`` k, the round starts there and its record comes k steps later."""
+        k = self.sync.overlap_steps
+        self._step = step
+        if k == 0:
+            return None if step % self.sync.outer_steps else self.sync_now(step)
+        rec = self.finish() if self._pending is not None and step >= self._pending.apply_at else None
+        if step % self.sync.outer_steps == 0:
+            self._start(step)
+        return rec
+
+    def sync_now(self, step: int) -> RoundRecord:
+        """Collective in the region: one outer round."""
+        t0 = time.perf_counter()
+        rec: RoundRecord | None = None
+        if self.is_leader:
+            payload = encode(self.outer - self._flat(), self.sync.compression)
+            rec = self._leader().run(self.round, step, payload, t0)
+            self._load_flat(self.outer)
+            rec = dataclasses.replace(rec, exchange_s=rec.sync_s, applied_step=step)
+        rec = self._in_region(rec)
+        assert rec is not None
+        self.round = rec.round + 1
+        if not self.is_leader:
+            rec = dataclasses.replace(rec, sync_s=time.perf_counter() - t0)
+        return rec
+
+    def _start(self, step: int) -> None:
+        """The leader starts the round's exchange in a thread; training goes on meanwhile."""
+        t0 = time.perf_counter()
+        pending = Pending(step, step + self.sync.overlap_steps)
+        if self.is_leader:
+            pending.snapshot = self._flat()
+            payload = encode(self.outer - pending.snapshot, self.sync.compression)
+            ex, r = self._leader(), self.round
+            # Only this thread uses the store and the outer tensors until finish(); the training
+            # thread touches the model's parameters only.
+            pending.run_behind(lambda: ex.run(r, step, payload, time.perf_counter()), f"diloco-round-{r}")
+        pending.blocked_s = time.perf_counter() - t0
+        self._pending = pending
+
+    def finish(self) -> RoundRecord | None:
+        """Collective in the region: take the round in flight, if any (the trainer calls it after the
+        last step too). New parameters: the round's outer ones plus the steps since it started."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        t0 = time.perf_counter()
+        rec: RoundRecord | None = None
+        params = None
+        if self.is_leader:
+            done = pending.result()
+            assert pending.snapshot is not None
+            params = self.outer + (self._flat() - pending.snapshot)
+            self._load_flat(params)
+            rec = dataclasses.replace(done, exchange_s=done.sync_s)
+        rec = self._in_region(rec, params)
+        assert rec is not None
+        self.round = rec.round + 1
+        waited = pending.blocked_s + time.perf_counter() - t0
+        return dataclasses.replace(rec, sync_s=waited, applied_step=self._step)
+
+    def leave(self) -> None:
+        """The region finished its steps: the others stop waiting for it from their next round on."""
+        if self.is_leader and self._exchange is not None:
+            self._exchange.roster.leave(self.region)

@@ -1,0 +1,53 @@
+"""What the regions of a DiLoCo job agree on: the outer settings, and the pseudo-gradient's form
+on the long links."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from geoshard.errors import ConfigError
+
+COMPRESSIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": torch.float32}
+
+
+@dataclass(frozen=True)
+class OuterSync:
+    outer_steps: int = 100  # H: inner steps between outer rounds
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    compression: str = "fp16"  # of the pseudo-gradient on the long links: fp16 | bf16 | none
+    round_timeout_s: float = 60.0  # how long a leader waits for the expected regions
+    join_timeout_s: float = 300.0  # how long a starting region waits for the first published state
+    # Inner steps a round's exchange runs behind (0: the region waits for each round). With k > 0
+    # the round starts at step nH, training goes on, and at step nH + k the region takes the new
+    # outer parameters plus what it learnt in those k steps (Streaming DiLoCo's overlap, arXiv 2501.18512).
+    overlap_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.outer_steps < 1:
+            raise ConfigError(f"outer_steps must be 1 or more, got {self.outer_steps}")
+        if self.outer_lr <= 0:
+            raise ConfigError(f"outer_lr must be above 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError(f"outer compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
+        if self.round_timeout_s <= 0 or self.join_timeout_s <= 0:
+            raise ConfigError("round_timeout_s and join_timeout_s must be above 0")
+        if not 0 <= self.overlap_steps < self.outer_steps:
+            raise ConfigError(f"overlap_steps must be at least 0 and below outer_steps ({self.outer_steps}), got {self.overlap_steps}")
+
+
+def encode(delta: torch.Tensor, compression: str) -> bytes:
+    """A flat fp32 tensor → the bytes published (cast to the compression's dtype)."""
+    t = delta.detach().to(COMPRESSIONS[compression]).contiguous().cpu()
+    return t.view(torch.uint8).numpy().tobytes()
+
+
+def decode(payload: bytes, compression: str) -> torch.Tensor:
+    """The published bytes → a flat fp32 tensor on the CPU."""
+    dtype = COMPRESSIONS[compression]
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).to(torch.float32)
