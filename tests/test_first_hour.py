@@ -403,7 +403,7 @@ def test_a_dead_alluxio_warns_once_per_tier_and_the_stats_count_every_failure(tm
     from geoshard.loaders.chain import ChainSettings, TierChain
     from geoshard.loaders.local_tier import LocalTier
     from geoshard.loaders.tier import make_tier
-    from geoshard.local.seaweed import free_ports
+    from geoshard.local.ports import free_ports
     from geoshard.manifest import ShardEntry
     from geoshard.util.retry import Backoff
 
@@ -742,7 +742,7 @@ def test_grafana_dashboard_queries_against_prometheus_scraping_a_training_run(co
     import time
     import urllib.error
 
-    from geoshard.local.seaweed import free_ports
+    from geoshard.local.ports import free_ports
 
     binary = shutil.which("prometheus") or pytest.fail("prometheus is not installed; make test installs it (apt-get install prometheus)")
     metrics, web = free_ports(2)

@@ -14,7 +14,7 @@ import pytest
 from geoshard.loaders.chain import ChainSettings, TierChain
 from geoshard.loaders.local_tier import LocalTier
 from geoshard.loaders.tier import make_tier
-from geoshard.local.seaweed import free_ports
+from geoshard.local.ports import free_ports
 from geoshard.manifest import ShardEntry
 from geoshard.util.retry import Backoff
 

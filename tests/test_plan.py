@@ -155,3 +155,16 @@ def test_check_region_name_names_the_key() -> None:
     assert check_region_name("us-east-1", "--region") == "us-east-1"
     with pytest.raises(ConfigError, match=r"^--region: must be a region name \(.*\), got 'US'$"):
         check_region_name("US", "--region")
+
+
+def test_run_files_of_any_region_name_are_read_and_guarded(tmp_path: Path) -> None:
+    """The report reads ``rounds-<region>.jsonl`` and preflight guards the run folder for every name the
+    plan accepts (it skipped ``rounds-dc_1.jsonl`` before: another character set)."""
+    from geoshard.trainer.diloco.record import RoundRecord, append, read_rounds, rounds_path
+    from geoshard.trainer.preflight import _RUN_FILE
+
+    rec = RoundRecord.from_dict({"region": GOOD_NAME, "job": "j", "event": "join", "round": 0, "step": 0})
+    append(rounds_path(tmp_path, GOOD_NAME), rec)
+    assert [r.region for r in read_rounds(tmp_path)] == [GOOD_NAME]
+    assert _RUN_FILE.match(rounds_path(tmp_path, GOOD_NAME).name)
+    assert not _RUN_FILE.match("rounds-US.jsonl")

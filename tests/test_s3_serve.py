@@ -20,7 +20,7 @@ import pytest
 from guaranteekit import GEOSHARD, assert_one_line, geoshard
 from splitkit import REGIONS, make_corpus
 
-from geoshard.local.seaweed import free_ports
+from geoshard.local.ports import free_ports
 
 BUCKETS = ",".join(REGIONS)  # region names are valid bucket names: one bucket per region
 

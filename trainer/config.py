@@ -86,7 +86,7 @@ class TrainConfig:
     collective_timeout: int = 600  # seconds a collective may wait for a peer before the rank fails
     model: str = "mlp"  # the built-in MLP (WebDataset img/cls samples), or "none": any layout, data only
     step_time: float = 0.0  # seconds of simulated compute per step (with model "none": the whole step)
-    # --sync diloco (trainer/diloco.py): each region trains alone; every outer_steps steps the regions
+    # --sync diloco (trainer/diloco/): each region trains alone; every outer_steps steps the regions
     # average their pseudo-gradients through the outer store and take an outer Nesterov SGD step.
     outer_steps: int = 100
     outer_lr: float = 0.7

@@ -11,9 +11,10 @@ from geoshard.env import read_environment
 from geoshard.errors import ConfigError
 from geoshard.formats import format_spec
 from geoshard.plan import Plan, load_plan
+from geoshard.plan.names import REGION_NAME
 from geoshard.trainer.config import TrainConfig
 
-_RUN_FILE = re.compile(r"^(steps-rank\d+\.jsonl|rank\d+\.json|rounds-[a-z0-9-]+\.jsonl|report\.json)$")
+_RUN_FILE = re.compile(rf"^(steps-rank\d+\.jsonl|rank\d+\.json|rounds-{REGION_NAME.pattern}\.jsonl|report\.json)$")
 # What the built-in model reads from each sample (geoshard.trainer.model.collate).
 MODEL_FIELDS = ("img", "cls")
 

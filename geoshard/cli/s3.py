@@ -15,7 +15,8 @@ from types import FrameType
 import click
 
 from geoshard.errors import ConfigError, StorageError
-from geoshard.local.seaweed import SeaweedS3, ServerError, port_in_use, saved_keys, weed_binary
+from geoshard.local.ports import port_in_use
+from geoshard.local.seaweed import SeaweedS3, ServerError, saved_keys, weed_binary
 
 DEFAULT_PORT = 8333  # SeaweedFS's own S3 port: the printed lines stay the same from run to run
 # S3's bucket naming rules (3-63 characters, lowercase letters, digits, dots and hyphens).

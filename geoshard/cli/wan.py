@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -58,27 +60,38 @@ def check(matrix_path: Path, regions: str | None, rounds: int, throughput_s: flo
     if left:
         raise WanError(f"namespaces left after stopping: {', '.join(sorted(left))}")
     if as_json:
-        doc = {
-            "matrix": str(matrix_path),
-            "regions": list(w.regions),
-            "ceiling": {"packets_per_s": round(ceiling.packets_per_s), "mb_per_s": round(ceiling.mb_per_s, 1)},
-            "lateness_ms": {"packets": late.packets, "mean": round(late.mean_ms, 3), "max": round(late.max_ms, 3)},
-            "pairs": [
-                {
-                    "a": c.a,
-                    "b": c.b,
-                    "latency_ms": c.latency_ms,
-                    "rtt_expected_ms": 2 * c.latency_ms,
-                    "rtt_ms": round(c.rtt_ms, 2),
-                    "rtt_error": round(c.rtt_error, 4),
-                    "bandwidth_mbit": c.bandwidth_mbit,
-                    "measured_mbit": None if c.mbit is None else round(c.mbit, 2),
-                }
-                for c in results
-            ],
-        }
-        click.echo(json.dumps(doc, indent=1))
+        click.echo(json.dumps(_check_doc(matrix_path, w.regions, ceiling, late, results), indent=1))
         return
+    _echo_pairs(results)
+    click.echo(f"delayed packets left {late.mean_ms:.2f} ms late on average (max {late.max_ms:.1f} ms, {late.packets:,} packets)")
+    click.echo(f"removed its {len(made)} namespaces and their TUN devices")
+
+
+def _check_doc(matrix_path: Path, regions: Sequence[str], ceiling: Any, late: Any, results: Sequence[Any]) -> dict[str, Any]:
+    """``wan check --json``: the figures of one check."""
+    return {
+        "matrix": str(matrix_path),
+        "regions": list(regions),
+        "ceiling": {"packets_per_s": round(ceiling.packets_per_s), "mb_per_s": round(ceiling.mb_per_s, 1)},
+        "lateness_ms": {"packets": late.packets, "mean": round(late.mean_ms, 3), "max": round(late.max_ms, 3)},
+        "pairs": [
+            {
+                "a": c.a,
+                "b": c.b,
+                "latency_ms": c.latency_ms,
+                "rtt_expected_ms": 2 * c.latency_ms,
+                "rtt_ms": round(c.rtt_ms, 2),
+                "rtt_error": round(c.rtt_error, 4),
+                "bandwidth_mbit": c.bandwidth_mbit,
+                "measured_mbit": None if c.mbit is None else round(c.mbit, 2),
+            }
+            for c in results
+        ],
+    }
+
+
+def _echo_pairs(results: Sequence[Any]) -> None:
+    """One line per pair: the latency asked for against the round trip measured, and the cap."""
     width = max(len(f"{c.a} <-> {c.b}") for c in results)
     head = f"{'pair':<{width}}  {'one way':>8}  {'RTT want':>9}  {'RTT got':>9}  {'error':>7}  {'cap':>12}  {'got':>12}"
     click.echo(head)
@@ -89,5 +102,3 @@ def check(matrix_path: Path, regions: str | None, rounds: int, throughput_s: flo
             f"{c.a + ' <-> ' + c.b:<{width}}  {c.latency_ms:>5g} ms  {2 * c.latency_ms:>6.1f} ms  {c.rtt_ms:>6.1f} ms"
             f"  {c.rtt_error:>+7.1%}  {cap:>12}  {got:>12}"
         )
-    click.echo(f"delayed packets left {late.mean_ms:.2f} ms late on average (max {late.max_ms:.1f} ms, {late.packets:,} packets)")
-    click.echo(f"removed its {len(made)} namespaces and their TUN devices")

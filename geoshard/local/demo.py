@@ -133,7 +133,8 @@ def run_demo(settings: DemoSettings, progress: ProgressFn | None = None, echo: E
 
 
 def _sync_and_train(settings: DemoSettings, result: DemoResult, echo: Echo) -> None:
-    from geoshard.local.seaweed import SeaweedS3, closed_port
+    from geoshard.local.ports import closed_port
+    from geoshard.local.seaweed import SeaweedS3
     from geoshard.trainer.config import parse_regions
     from geoshard.trainer.report import build_report
 

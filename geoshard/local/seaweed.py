@@ -17,7 +17,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,8 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from geoshard.local.ports import free_ports
 
 # The ports `weed mini` listens on; each is set explicitly (the admin server listens even with -admin.ui=false).
 PORT_FLAGS = (
@@ -80,31 +81,6 @@ def weed_binary() -> str:
     return found
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports that are free on ``host`` now (held open together so none repeats)."""
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether something holds ``host:port`` now (SO_REUSEADDR as weed binds, so TIME_WAIT does not count)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
 def saved_keys(root: str | Path) -> tuple[str, str] | None:
     """The access and secret key an earlier server on ``root`` generated (its identities file), if any."""
     try:
@@ -113,11 +89,6 @@ def saved_keys(root: str | Path) -> tuple[str, str] | None:
         return str(cred["accessKey"]), str(cred["secretKey"])
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         return None
-
-
-def closed_port(host: str = "127.0.0.1") -> int:
-    """A port on ``host`` that nothing listens on (for "endpoint is down" tests)."""
-    return free_ports(1, host)[0]
 
 
 class SeaweedS3:

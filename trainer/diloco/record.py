@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from geoshard.errors import DataError
+from geoshard.plan.names import REGION_NAME
 
 VERSION = 2
 EVENTS = ("join", "round")
-_ROUNDS_FILE = re.compile(r"^rounds-([a-z0-9][a-z0-9-]*)\.jsonl$")
+_ROUNDS_FILE = re.compile(rf"^rounds-({REGION_NAME.pattern})\.jsonl$")  # the one region-name rule
 # The keys of each event's line, in the order they are written (between region, job, event and steps_lost).
 _JOIN_KEYS: tuple[str, ...] = ("round", "step", "created", "bytes_read")
 _ROUND_KEYS: tuple[str, ...] = ("round", "step", "regions", "missing", "sync_s", "bytes_published", "bytes_read", "compression")
