@@ -397,28 +397,21 @@ def test_one_idea_one_option_name_across_commands(tmp_path: Path) -> None:
 
 
 def test_a_dead_alluxio_warns_once_per_tier_and_the_stats_count_every_failure(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    import hashlib
     import logging
 
+    from tierkit import dead_alluxio, replica_beside_dead_alluxio
+
     from geoshard.loaders.chain import ChainSettings, TierChain
-    from geoshard.loaders.local_tier import LocalTier
-    from geoshard.loaders.tier import make_tier
-    from geoshard.local.ports import free_ports
-    from geoshard.manifest import ShardEntry
     from geoshard.util.retry import Backoff
 
-    (port,) = free_ports(1)  # nothing listens there, as in the demo
-    data = {f"00000-{i:04d}-x.tar": os.urandom(1000 + i) for i in range(6)}
-    (tmp_path / "local").mkdir()
-    for p, b in data.items():
-        (tmp_path / "local" / p).write_bytes(b)
-    alluxio = make_tier("alluxio", url=f"http://127.0.0.1:{port}", ufs_root="s3://b/train", region="eu-west-1", timeout_s=0.3)
+    data, shards, local, port = replica_beside_dead_alluxio(tmp_path, 6)
+    alluxio = dead_alluxio(port)
     # no cooldown: every shard tries the dead Alluxio again, as a long run does after each cooldown
     settings = ChainSettings(backoff=Backoff(attempts=1, base=0.01, jitter=0), cooldown_s=0)
-    chain = TierChain("eu-west-1", [alluxio, LocalTier(tmp_path / "local", region="eu-west-1")], settings)
+    chain = TierChain("eu-west-1", [alluxio, local], settings)
     with caplog.at_level(logging.WARNING, logger="geoshard"):
-        for p, b in data.items():
-            assert bytes(chain.fetch(ShardEntry(p, 1, len(b), hashlib.sha256(b).hexdigest()))) == b
+        for s in shards:
+            assert bytes(chain.fetch(s)) == data[s.path]
     warnings = [r.getMessage() for r in caplog.records if "alluxio:eu-west-1 failed" in r.getMessage()]
     assert len(warnings) == 1 and "counted in the report's tiers table" in warnings[0], warnings
     assert chain.stats.snapshot().to_dict()["tiers"]["alluxio:eu-west-1"]["errors"] == len(data)
