@@ -10,6 +10,8 @@ share of samples. ``field``: a value of the sample looked up in the plan's map (
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import hashlib
 import json
 import math
@@ -17,8 +19,8 @@ from collections.abc import Callable, Sequence
 
 from geoshard.errors import ConfigError, DataError
 from geoshard.formats import Format
-from geoshard.formats.example import ExampleError, get_feature
-from geoshard.formats.wds import raw_members
+from geoshard.formats.example import ExampleError, get_feature, parse_example
+from geoshard.formats.wds import raw_members, sample_fields
 from geoshard.plan import Plan
 
 SLOT_BITS = 16
@@ -56,6 +58,7 @@ class RouteSpec:
 
     def __init__(self, plan: Plan, fmt: Format) -> None:
         self.policy = plan.routing.policy
+        self.fmt = fmt
         self.nregions = len(plan.regions)
         self.field = plan.routing.field
         index = {n: i for i, n in enumerate(plan.region_names)}
@@ -69,18 +72,41 @@ class RouteSpec:
                 f"{plan.path or 'plan'}: routing.field: {self.field!r} names a JSON member, "
                 "but TFRecord samples have features; name a feature"
             )
+        if plan.routing.key is not None and fmt == "wds":  # a key that would be ignored is a mistake to see
+            raise ConfigError(
+                f"{plan.path or 'plan'}: routing.key: {plan.routing.key!r} applies to TFRecord corpora only (the feature "
+                "that names a record); WebDataset samples are keyed by their __key__: remove routing.key"
+            )
 
     def by_hash(self, h: int) -> tuple[int, ...]:
         return self.singles[self.table[h >> _SHIFT]]
 
-    def by_value(self, value: str | None, source: str, sample: str) -> tuple[int, ...]:
+    def by_value(self, value: str | None, source: str, sample: str, raw: bytes = b"") -> tuple[int, ...]:
+        """The region of a field value; ``raw`` (the sample or record) is read only to list its fields in an error."""
         idx = self.map.get(value) if value is not None else None
         if idx is None:
             if self.default is None:
-                what = f"has no field {self.field!r}" if value is None else f"has {self.field}={value!r}, which [routing.map] does not map"
-                raise DataError(f"{source}: sample {sample} {what}; map it or set routing.default_region")
+                if value is None:
+                    raise DataError(f"{source}: sample {sample} has no field {self.field!r}{self._remedy(self._fields(raw))}")
+                raise DataError(
+                    f"{source}: sample {sample} has {self.field}={value!r}, which [routing.map] does not map; "
+                    "map it or set routing.default_region"
+                )
             idx = self.default
         return self.singles[idx]
+
+    def _fields(self, raw: bytes) -> list[str]:
+        if not raw:
+            return []
+        return tfrecord_fields(raw) if self.fmt == "tfrecord" else wds_fields(raw)
+
+    def _remedy(self, names: list[str]) -> str:
+        """What to do about a missing routing field: the sample's fields and the nearest one."""
+        if not names:
+            return "; name a field the samples have in routing.field, or set routing.default_region for samples without it"
+        near = difflib.get_close_matches(str(self.field), names, n=1)
+        fix = f'set routing.field = "{near[0]}" (the nearest)' if near else "name one of them in routing.field"
+        return f" (its fields: {', '.join(names)}); {fix}, or set routing.default_region for samples without it"
 
     def wds_value(self) -> Callable[[bytes], str | None]:
         """Field value of a WebDataset sample: ``json.a.b`` reads the .json member, else the member ``.<field>``."""
@@ -126,6 +152,36 @@ class RouteSpec:
             return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
 
         return value
+
+
+def wds_fields(raw: bytes) -> list[str]:
+    """A WebDataset sample's field names as routing.field names them: members by extension, and
+    the keys of its JSON member as ``json.a`` (``json.a.b`` for nested objects)."""
+    members = raw_members(raw)
+    names = set(sample_fields(members))
+    for name, data in members:
+        if name.endswith(b".json"):
+            with contextlib.suppress(ValueError):  # not JSON: only its member name is listed
+                names.update(_json_paths(json.loads(data), "json"))
+    return sorted(names)
+
+
+def _json_paths(v: object, prefix: str, depth: int = 3) -> list[str]:
+    if not isinstance(v, dict) or depth == 0:
+        return []
+    out = []
+    for k, sub in v.items():
+        out.append(f"{prefix}.{k}")
+        out.extend(_json_paths(sub, f"{prefix}.{k}", depth - 1))
+    return out
+
+
+def tfrecord_fields(record: bytes) -> list[str]:
+    """A TFRecord record's feature names (none when it is not a tf.train.Example)."""
+    try:
+        return sorted(parse_example(record))
+    except ExampleError:
+        return []
 
 
 def feature_key(record: bytes, keyname: str, source: str, index: int) -> bytes:

@@ -374,7 +374,11 @@ def _route_wds(
             if policy == "hash":
                 adds[table[h >> shift]](raw)
             else:
-                targets = every if value is None else route.by_value(value(bytes(raw)), url, repr(key.decode(errors="replace")))
+                if value is None:
+                    targets = every
+                else:
+                    sample = bytes(raw)
+                    targets = route.by_value(value(sample), url, repr(key.decode(errors="replace")), sample)
                 for r in targets:
                     adds[r](raw)
         for release in releases:
@@ -414,7 +418,7 @@ def _route_tfrecord(
         if policy == "hash":
             targets = route.by_hash(h)
         elif tvalue is not None:
-            targets = route.by_value(tvalue(record, index), url, f"record {index}")
+            targets = route.by_value(tvalue(record, index), url, f"record {index}", record)
         else:
             targets = route.every
         for r in targets:
