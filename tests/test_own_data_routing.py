@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from guaranteekit import Run, geoshard, published
 from splitkit import make_corpus, write_plan
 
@@ -20,25 +21,22 @@ def _split(tmp: Path, plan: Path, fmt: str = "wds") -> tuple[Run, Path]:
     return r, corpus[0]
 
 
-def test_a_field_the_samples_lack_lists_their_fields_and_names_the_nearest(tmp_path: Path) -> None:
-    plan = write_plan(tmp_path / "plan.toml", policy="field", extra=f'field = "origin"\n{_MAP}')
+@pytest.mark.parametrize(
+    ("field", "fix"),
+    [
+        ("origin", 'set routing.field = "json.origin" (the nearest)'),
+        ("country", "name one of them in routing.field"),  # no near name: the fields only
+    ],
+)
+def test_a_field_the_samples_lack_lists_their_fields_and_names_the_nearest(tmp_path: Path, field: str, fix: str) -> None:
+    plan = write_plan(tmp_path / "plan.toml", policy="field", extra=f'field = "{field}"\n{_MAP}')
     r, source = _split(tmp_path, plan)
     assert r.rc == 1 and r.out == "", r
     assert r.err.splitlines() == [
-        f"geoshard: error: {source}: sample 's00000000' has no field 'origin' (its fields: cls, img, json, json.label, json.origin); "
-        'set routing.field = "json.origin" (the nearest), or set routing.default_region for samples without it'
+        f"geoshard: error: {source}: sample 's00000000' has no field '{field}' (its fields: cls, img, json, json.label, json.origin); "
+        f"{fix}, or set routing.default_region for samples without it"
     ]
     assert published(tmp_path / "out") == []
-
-
-def test_a_field_with_no_near_name_lists_the_fields(tmp_path: Path) -> None:
-    plan = write_plan(tmp_path / "plan.toml", policy="field", extra=f'field = "country"\n{_MAP}')
-    r, source = _split(tmp_path, plan)
-    assert r.rc == 1 and r.out == "", r
-    assert r.err.splitlines() == [
-        f"geoshard: error: {source}: sample 's00000000' has no field 'country' (its fields: cls, img, json, json.label, json.origin); "
-        "name one of them in routing.field, or set routing.default_region for samples without it"
-    ]
 
 
 def test_a_tfrecord_feature_the_records_lack_lists_their_features(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from guaranteekit import geoshard
+from guaranteekit import Run, geoshard
 from servers import SeaweedS3
 from splitkit import REGIONS, make_corpus
 from synckit import objects, sync_plan
@@ -23,6 +23,19 @@ def _split(tmp: Path, plan: Path) -> Path:
     return tmp / "split"
 
 
+def _refused(r: Run, line: str) -> None:
+    """Exit 2, nothing on stdout, and exactly this one line on stderr."""
+    assert (r.rc, r.out) == (2, ""), r
+    assert r.err.splitlines() == [f"geoshard: error: {line}"], r.err
+
+
+def _mismatch(plan: Path, split: Path, what: str) -> str:
+    return (
+        f"{plan} does not match the split in {split}: {what}; re-split with this plan "
+        f"(geoshard split SOURCE... --plan {plan} --out {split} --replace) or sync with the plan the split was made with"
+    )
+
+
 def test_sync_refuses_a_plan_whose_weights_changed_since_the_split(tmp_path: Path, aws: SeaweedS3) -> None:
     plan, buckets = sync_plan(tmp_path / "plan.toml", aws, "mismatch", weights=(2, 1, 1))
     for b in buckets.values():
@@ -30,12 +43,7 @@ def test_sync_refuses_a_plan_whose_weights_changed_since_the_split(tmp_path: Pat
     split = _split(tmp_path, plan)
     plan.write_text(plan.read_text().replace("weight = 2", "weight = 1"))  # weights changed, not re-split
     r = geoshard("sync", split, "--plan", plan, cwd=tmp_path)
-    assert (r.rc, r.out) == (2, ""), r
-    assert r.err.splitlines() == [
-        f"geoshard: error: {plan} does not match the split in {split}: weights differ (split -> plan: {US} 2 -> 1); "
-        f"re-split with this plan (geoshard split SOURCE... --plan {plan} --out {split} --replace) "
-        "or sync with the plan the split was made with"
-    ], r.err
+    _refused(r, _mismatch(plan, split, f"weights differ (split -> plan: {US} 2 -> 1)"))
     assert all(objects(aws, b) == {} for b in buckets.values())  # nothing uploaded
 
 
@@ -44,12 +52,7 @@ def test_sync_refuses_a_plan_with_a_region_the_split_lacks(tmp_path: Path, aws: 
     split = _split(tmp_path, plan)
     plan.write_text(plan.read_text() + '[regions.sa-east-1]\nweight = 1\nbucket = "s3://gs-addregion-sa/train"\n')
     r = geoshard("sync", split, "--plan", plan, "--dry-run", cwd=tmp_path)
-    assert (r.rc, r.out) == (2, ""), r
-    assert r.err.splitlines() == [
-        f"geoshard: error: {plan} does not match the split in {split}: the plan has region(s) sa-east-1 the split lacks; "
-        f"re-split with this plan (geoshard split SOURCE... --plan {plan} --out {split} --replace) "
-        "or sync with the plan the split was made with"
-    ], r.err
+    _refused(r, _mismatch(plan, split, "the plan has region(s) sa-east-1 the split lacks"))
 
 
 def test_two_regions_sharing_one_bucket_prefix_are_refused_by_the_plan_check(tmp_path: Path, aws: SeaweedS3) -> None:
@@ -59,11 +62,11 @@ def test_two_regions_sharing_one_bucket_prefix_are_refused_by_the_plan_check(tmp
     plan.write_text(text)
     r = geoshard("sync", split, "--plan", plan, cwd=tmp_path)
     line = text.splitlines().index(f'bucket = "s3://{buckets[EU]}/train"', text.splitlines().index(f"[regions.{AP}]")) + 1
-    assert (r.rc, r.out) == (2, ""), r
-    assert r.err.splitlines() == [
-        f"geoshard: error: {plan}:{line}: regions.{AP}.bucket: regions {EU} and {AP} share s3://{buckets[EU]}/train "
-        "(the same prefix); give each region its own bucket or prefix"
-    ], r.err
+    _refused(
+        r,
+        f"{plan}:{line}: regions.{AP}.bucket: regions {EU} and {AP} share s3://{buckets[EU]}/train "
+        "(the same prefix); give each region its own bucket or prefix",
+    )
 
 
 def test_pull_fills_every_region_with_a_local_folder_and_says_which_it_skipped(tmp_path: Path, aws: SeaweedS3) -> None:
@@ -97,18 +100,9 @@ def test_pull_fills_every_region_with_a_local_folder_and_says_which_it_skipped(t
 def test_pull_without_a_folder_for_the_region_is_one_line(tmp_path: Path, aws: SeaweedS3) -> None:
     plan, _ = sync_plan(tmp_path / "plan.toml", aws, "pullnone")
     r = geoshard("pull", "--plan", plan, "--region", AP, cwd=tmp_path)
-    assert (r.rc, r.out) == (2, ""), r
-    assert r.err.splitlines() == [
-        f"geoshard: error: region {AP}: no --to, and the plan sets no regions.{AP}.local; pass --to DIR or set it"
-    ], r.err
+    _refused(r, f"region {AP}: no --to, and the plan sets no regions.{AP}.local; pass --to DIR or set it")
     r = geoshard("pull", "--plan", plan, cwd=tmp_path)
-    assert (r.rc, r.out) == (2, ""), r
-    assert r.err.splitlines() == [
-        f"geoshard: error: {plan}: no region has a local folder; set regions.<name>.local, or pass --region R --to DIR"
-    ], r.err
+    _refused(r, f"{plan}: no region has a local folder; set regions.<name>.local, or pass --region R --to DIR")
     r = geoshard("pull", "--plan", plan, "--to", tmp_path / "x", cwd=tmp_path)
-    assert (r.rc, r.out) == (2, ""), r
-    assert r.err.splitlines() == [
-        f"geoshard: error: --to {tmp_path / 'x'}: the replica of one region; name it with --region (the plan has {US}, {EU}, {AP})"
-    ], r.err
+    _refused(r, f"--to {tmp_path / 'x'}: the replica of one region; name it with --region (the plan has {US}, {EU}, {AP})")
     assert not (tmp_path / "x").exists()
