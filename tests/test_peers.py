@@ -107,7 +107,8 @@ def plan_toml(routing: str, shard_samples: int = 0, shard_bytes: str = "64MB") -
     return f'{routing}\n[shards]\nbytes = "{shard_bytes}"\nsamples = {shard_samples}\n\n{regions}'
 
 
-HASH_ROUTING = '[routing]\npolicy = "hash"\nkey = "key"\n'
+HASH_ROUTING = '[routing]\npolicy = "hash"\nkey = "key"\n'  # TFRecord: the feature that names a record
+WDS_HASH_ROUTING = '[routing]\npolicy = "hash"\n'  # WebDataset samples are keyed by __key__ (routing.key is refused)
 REPLICATE_ROUTING = '[routing]\npolicy = "replicate"\n'
 
 
@@ -416,7 +417,7 @@ def wds_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("routing", [HASH_ROUTING, field_routing("json.origin")], ids=["hash", "field-json"])
+@pytest.mark.parametrize("routing", [WDS_HASH_ROUTING, field_routing("json.origin")], ids=["hash", "field-json"])
 def test_wds_split_reads_back_in_webdataset(wds_corpus: tuple[Path, dict[str, Sample]], tmp_path: Path, routing: str) -> None:
     src, samples = wds_corpus
     out, summary = split(tmp_path, [src], plan_toml(routing, shard_bytes="64KB"), workers=2)

@@ -13,6 +13,7 @@ from geoshard.formats import format_spec
 from geoshard.plan import Plan, load_plan
 from geoshard.plan.names import REGION_NAME
 from geoshard.trainer.config import TrainConfig
+from geoshard.trainer.published import check_published
 
 _RUN_FILE = re.compile(rf"^(steps-rank\d+\.jsonl|rank\d+\.json|rounds-{REGION_NAME.pattern}\.jsonl|report\.json)$")
 # What the built-in model reads from each sample (geoshard.trainer.model.collate).
@@ -37,6 +38,7 @@ def preflight(
         plan.region(name)  # an unknown region: one line naming the plan's regions
     if cfg.metrics_port is not None and cfg.metrics_port + nproc - 1 > 65535:
         raise ConfigError(f"--metrics-port {cfg.metrics_port}: rank {nproc - 1} would serve on {cfg.metrics_port + nproc - 1}, past 65535")
+    check_published(plan, names, str(cfg.plan))  # a region never synced: one line, not a rank's NoSuchKey after torchrun
     if check_layout and cfg.model != "none":  # --model none reads any layout
         for name in names:
             model_layout(plan, name)

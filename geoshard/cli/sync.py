@@ -12,10 +12,11 @@ from typing import Any
 import click
 
 from geoshard.cli.common import created_time, plan_option, quiet_dask, request_timeout, s3_access
-from geoshard.errors import ConfigError
+from geoshard.errors import ConfigError, GeoshardError
 from geoshard.manifest.verify import MODES as VERIFY_MODES
 from geoshard.plan import load_plan
 from geoshard.split import SplitSettings
+from geoshard.sync.pull import PullReport
 from geoshard.sync.push import SyncReport, SyncSettings
 from geoshard.util.retry import Backoff
 
@@ -116,8 +117,14 @@ def _region_errors(report: SyncReport) -> None:
 
 @click.command()
 @plan_option
-@click.option("--region", required=True, help="The region whose bucket to copy.")
-@click.option("--to", "--out", "to", required=True, type=click.Path(file_okay=False, path_type=Path), help="Local replica folder.")
+@click.option("--region", "regions", multiple=True, help="Only this region (repeatable); default: every region with local = in the plan.")
+@click.option(
+    "--to",
+    "--out",
+    "to",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Local replica folder (default: the region's local = in the plan); one --region with it.",
+)
 @click.option(
     "--workers", "--transfer-workers", "workers", type=click.IntRange(min=1), default=64, show_default=True, help="s5cmd --numworkers."
 )
@@ -130,26 +137,52 @@ def _region_errors(report: SyncReport) -> None:
     help="Check every shard by the manifest's xxh3_128 (sha256 where it has none), or by sha256 (cryptographic).",
 )
 @click.option("--json", "as_json", is_flag=True)
-def pull(plan_path: Path, region: str, to: Path, workers: int, endpoint: str | None, verify: str, as_json: bool) -> None:
-    """Fill a local replica of a region from its bucket; every shard verified (xxh3_128 by default)."""
+def pull(
+    plan_path: Path, regions: tuple[str, ...], to: Path | None, workers: int, endpoint: str | None, verify: str, as_json: bool
+) -> None:
+    """Fill local replicas of regions from their buckets; every shard verified (xxh3_128 by default)."""
     from geoshard.cli.progress import transfer_progress
-    from geoshard.sync.pull import PullSettings
+    from geoshard.sync.pull import PullSettings, pull_targets
     from geoshard.sync.pull import pull as run_pull
     from geoshard.sync.remote import BucketTarget
 
     plan = load_plan(plan_path)
-    target = BucketTarget.of(plan.region(region), s3_access(None, endpoint).default_endpoint)
-    with transfer_progress(enabled=not as_json) as progress:
-        report = run_pull(
-            target, PullSettings(to=to, workers=workers, timeout_s=request_timeout(), verify=verify), progress=progress.update
-        )
-    if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=1))
+    targets, skipped = pull_targets(plan, regions, to)
+    single = len(regions) == 1  # one region asked for: its error and its --json report, as before
+    reports: dict[str, PullReport] = {}
+    failed: dict[str, str] = {}
+    for name, folder in targets:
+        target = BucketTarget.of(plan.region(name), s3_access(None, endpoint).default_endpoint)
+        settings = PullSettings(to=folder, workers=workers, timeout_s=request_timeout(), verify=verify)
+        try:
+            with transfer_progress(enabled=not as_json) as progress:
+                reports[name] = run_pull(target, settings, progress=progress.update)
+        except GeoshardError as e:
+            if single:
+                raise
+            failed[name] = e.message
+            continue
+        if not as_json:
+            click.echo(_pull_line(reports[name], folder))
+    if not as_json:
+        for name, why in skipped.items():
+            click.echo(f"{name}: skipped ({why})")
+    elif single:
+        click.echo(json.dumps(reports[regions[0]].to_dict(), indent=1))
     else:
-        click.echo(
-            f"{region}: {report.downloaded} shards fetched ({report.bytes_downloaded:,} bytes), {report.skipped} already present, "
-            f"into {to}" + (f"; checked by {report.hash}" if report.hash else "")
-        )
+        regions_json = {n: r.to_dict() for n, r in reports.items()}
+        click.echo(json.dumps({"regions": regions_json, "skipped": skipped, "failed": failed}, indent=1))
+    for name, message in failed.items():
+        click.echo(f"geoshard: error: region {name} not pulled: {message}", err=True)
+    if failed:
+        sys.exit(1)
+
+
+def _pull_line(report: PullReport, folder: Path) -> str:
+    return (
+        f"{report.region}: {report.downloaded} shards fetched ({report.bytes_downloaded:,} bytes), {report.skipped} already present, "
+        f"into {folder}" + (f"; checked by {report.hash}" if report.hash else "")
+    )
 
 
 @click.command()

@@ -72,6 +72,7 @@ class FormatSpec:
     trailer: bytes  # what ends a shard: a piece cut from one gets it to parse alone
     min_sample_bytes: int  # the smallest a sample can be: bounds a manifest's sample count by its bytes
     samples: Callable[[Readable, str], Iterator[Any]]  # a shard file's samples, streamed (counted by verify)
+    field_names: Callable[[bytes], list[str]]  # one sample's fields as routing.field names them (for errors)
     named_fields: bool  # samples are dicts of named byte fields (webdataset decoders, TensorSpec, the built-in model)
     split: SplitHooks
     load: LoadHooks

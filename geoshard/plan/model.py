@@ -160,6 +160,7 @@ def plan_from_dict(doc: dict[str, Any], source: str = "plan", text: str | None =
     routing = _routing(v, v.table(doc.get("routing", {}), "routing"), {r.name for r in regions})
     shards = _shards(v, v.table(doc.get("shards", {}), "shards"))
     egress = _egress(v, v.table(doc.get("egress", {}), "egress"))
+    _shared_prefixes(v, regions)
     return Plan(regions=regions, routing=routing, shards=shards, egress=egress, path=source)
 
 
@@ -225,6 +226,27 @@ def _bucket(v: _Checker, rd: dict[str, Any], prefix: str) -> str | None:
         except ConfigError:
             raise v.fail(f"{prefix}bucket", f"the key prefix must be plain (no '.', '..' or empty parts), got {bucket!r}") from None
     return bucket
+
+
+def _shared_prefixes(v: _Checker, regions: tuple[Region, ...]) -> None:
+    """Two regions in one place of one bucket would overwrite each other's manifest, and one's
+    ``sync --delete`` would remove the other's shards: refused, as is one prefix inside another."""
+    seen: list[Region] = []
+    for r in regions:
+        if r.bucket is None:
+            continue
+        for o in seen:
+            if (o.endpoint, o.bucket_name) != (r.endpoint, r.bucket_name):
+                continue
+            a, b = sorted((o.bucket_prefix, r.bucket_prefix), key=len)
+            if a == b or not a or b.startswith(a + "/"):
+                where = f"s3://{r.bucket_name}/{a}" if a else f"s3://{r.bucket_name}"
+                inside = "the same prefix" if a == b else "one prefix inside the other"
+                raise v.fail(
+                    f"regions.{r.name}.bucket",
+                    f"regions {o.name} and {r.name} share {where} ({inside}); give each region its own bucket or prefix",
+                )
+        seen.append(r)
 
 
 def _url(v: _Checker, rd: dict[str, Any], prefix: str, k: str, pattern: str, what: str) -> str | None:

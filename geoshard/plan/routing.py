@@ -10,6 +10,7 @@ share of samples. ``field``: a value of the sample looked up in the plan's map (
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
@@ -58,6 +59,7 @@ class RouteSpec:
     """Everything a worker needs to route, small and picklable (built once on the driver)."""
 
     def __init__(self, plan: Plan, fmt: Format) -> None:
+        self.fmt = fmt
         self.policy = plan.routing.policy
         self.nregions = len(plan.regions)
         self.field = plan.routing.field
@@ -72,18 +74,37 @@ class RouteSpec:
                 f"{plan.path or 'plan'}: routing.field: {self.field!r} names a JSON member, "
                 "but TFRecord samples have features; name a feature"
             )
+        if plan.routing.key is not None and not format_spec(fmt).split.keyed_by_feature:  # ignored: a mistake to see
+            raise ConfigError(
+                f"{plan.path or 'plan'}: routing.key: {plan.routing.key!r} applies to TFRecord corpora only (the feature "
+                "that names a record); WebDataset samples are keyed by their __key__: remove routing.key"
+            )
 
     def by_hash(self, h: int) -> tuple[int, ...]:
         return self.singles[self.table[h >> _SHIFT]]
 
-    def by_value(self, value: str | None, source: str, sample: str) -> tuple[int, ...]:
+    def by_value(self, value: str | None, source: str, sample: str, raw: bytes | memoryview = b"") -> tuple[int, ...]:
+        """The region of a field value; ``raw`` (the sample or record) is read only to list its fields in an error."""
         idx = self.map.get(value) if value is not None else None
         if idx is None:
             if self.default is None:
-                what = f"has no field {self.field!r}" if value is None else f"has {self.field}={value!r}, which [routing.map] does not map"
-                raise DataError(f"{source}: sample {sample} {what}; map it or set routing.default_region")
+                if value is None:
+                    raise DataError(f"{source}: sample {sample} has no field {self.field!r}{self._remedy(raw)}")
+                raise DataError(
+                    f"{source}: sample {sample} has {self.field}={value!r}, which [routing.map] does not map; "
+                    "map it or set routing.default_region"
+                )
             idx = self.default
         return self.singles[idx]
+
+    def _remedy(self, raw: bytes | memoryview) -> str:
+        """What to do about a missing routing field: the sample's fields and the nearest one."""
+        names = format_spec(self.fmt).field_names(bytes(raw)) if len(raw) else []
+        if not names:
+            return "; name a field the samples have in routing.field, or set routing.default_region for samples without it"
+        near = difflib.get_close_matches(str(self.field), names, n=1)
+        fix = f'set routing.field = "{near[0]}" (the nearest)' if near else "name one of them in routing.field"
+        return f" (its fields: {', '.join(names)}); {fix}, or set routing.default_region for samples without it"
 
     def wds_value(self) -> Callable[[bytes], str | None]:
         """Field value of a WebDataset sample: ``json.a.b`` reads the .json member, else the member ``.<field>``."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import functools
-import logging
 import os
 import shutil
 import threading
@@ -42,8 +41,6 @@ from geoshard.split.publish import KEYS, TMP, manifest_sha, publish
 from geoshard.split.sources import S3Access, SourceRef, expand_sources, hash_source, refuse_out_inside
 from geoshard.split.task import GroupResult, GroupTask, ProgressFn, TaskFailed, find_key_task
 from geoshard.util.hashing import FAST
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -113,10 +110,8 @@ def _run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, prog
     _check_out(out, plan, settings.replace)  # fail before listing sources; checked again under the lock
     refs = expand_sources(sources, settings.fmt, settings.s3)
     fmt: Format = refs[0].format
-    route = RouteSpec(plan, fmt)
+    route = RouteSpec(plan, fmt)  # refuses routing a format cannot honour (routing.key on WebDataset)
     keyed_by_feature = format_spec(fmt).split.keyed_by_feature
-    if plan.routing.key and not keyed_by_feature:
-        log.info("routing.key applies to TFRecord only; WebDataset samples route by __key__")
     with _locked(out):
         previous = _check_out(out, plan, settings.replace)
         if settings.incremental and previous is not None and previous.format == fmt:

@@ -286,6 +286,7 @@ def _send(
                 adds[r](raw)
         return
     for i, raw in enumerate(raws):
-        v, label = value(raw, bodies[i] if bodies is not None else None, keys[i] if keys is not None else None, first + i)
-        for r in route.by_value(v, url, label):
+        body = bodies[i] if bodies is not None else None
+        v, label = value(raw, body, keys[i] if keys is not None else None, first + i)
+        for r in route.by_value(v, url, label, body if body is not None else raw):
             adds[r](raw)

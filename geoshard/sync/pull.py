@@ -12,14 +12,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from geoshard.errors import StorageError, SyncError
+from geoshard.errors import ConfigError, StorageError, SyncError
 from geoshard.manifest import MANIFEST, parse_region_manifest
 from geoshard.manifest.verify import algorithm_for, shard_matches
+from geoshard.plan import Plan
 from geoshard.s3 import REQUEST_TIMEOUT_S
 from geoshard.sync.remote import Bucket, BucketTarget
 from geoshard.sync.transfer import Transfer, Transferer
@@ -52,6 +53,31 @@ class PullReport:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def pull_targets(plan: Plan, regions: Sequence[str], to: Path | None) -> tuple[list[tuple[str, Path]], dict[str, str]]:
+    """The (region, replica folder) pairs to pull and the regions left out, with why. ``to``
+    serves one region; otherwise each region's ``local`` of the plan, and with no ``regions``
+    every region that has one (a region without is skipped, not an error)."""
+    for name in regions:
+        plan.region(name)  # an unknown region: one line naming the plan's regions
+    if to is not None:
+        if len(regions) != 1:
+            names = ", ".join(plan.region_names)
+            raise ConfigError(f"--to {to}: the replica of one region; name it with --region (the plan has {names})")
+        return [(regions[0], to)], {}
+    targets, skipped = [], {}
+    for name in regions or plan.region_names:
+        local = plan.region(name).local
+        if local is None:
+            if regions:
+                raise ConfigError(f"region {name}: no --to, and the plan sets no regions.{name}.local; pass --to DIR or set it")
+            skipped[name] = f"no regions.{name}.local in the plan"
+        else:
+            targets.append((name, Path(local)))
+    if not targets:
+        raise ConfigError(f"{plan.path or 'the plan'}: no region has a local folder; set regions.<name>.local, or pass --region R --to DIR")
+    return targets, skipped
 
 
 def pull(

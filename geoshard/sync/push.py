@@ -26,6 +26,7 @@ from geoshard.plan import Plan
 from geoshard.s3 import REQUEST_TIMEOUT_S
 from geoshard.sync.etag_cache import ETAG_CACHE as ETAG_CACHE  # re-exported: its import path before the split
 from geoshard.sync.etag_cache import load_etags, save_etags
+from geoshard.sync.plan_match import check_plan_matches
 from geoshard.sync.remote import HISTORY, MANIFEST, Bucket, BucketTarget, MissingBucket, RemoteObject
 from geoshard.sync.s5cmd import S5cmdError
 from geoshard.sync.transfer import Transfer, Transferer
@@ -89,6 +90,7 @@ def sync(
 ) -> SyncReport:
     """Publish every selected region; a failed region keeps its previous manifest, the others go on."""
     top = read_manifest(directory)
+    check_plan_matches(directory, top, plan)  # before anything moves
     names = settings.regions or tuple(n for n in plan.region_names if n in top.regions)
     for n in names:
         plan.region(n)  # unknown names are a ConfigError

@@ -11,7 +11,7 @@ from geoshard.errors import DataError
 from geoshard.formats._window import Readable
 from geoshard.formats.keys import check_key
 from geoshard.formats.spec import FieldValue, FormatSpec, LoadHooks, OnUnterminated, SampleBatch, ShardIndex, SplitHooks, SynthSample
-from geoshard.formats.tfrecord.example import encode_example, feature_key, parse_example_arrays
+from geoshard.formats.tfrecord.example import ExampleError, encode_example, feature_key, parse_example, parse_example_arrays
 from geoshard.formats.tfrecord.framing import EXTENSIONS, TFRecordWriter, iter_framed, iter_records
 
 if TYPE_CHECKING:
@@ -84,6 +84,14 @@ def _write_synthetic(f: BinaryIO, samples: Iterable[SynthSample]) -> None:
         tw.write(encode_example({"key": s.key.encode(), "image": s.image, "label": s.label, "origin": s.origin.encode()}))
 
 
+def _field_names(record: bytes) -> list[str]:
+    """A record's feature names (none when it is not a tf.train.Example)."""
+    try:
+        return sorted(parse_example(record))
+    except ExampleError:
+        return []
+
+
 SPEC = FormatSpec(
     name="tfrecord",
     suffix=".tfrecord",
@@ -94,6 +102,7 @@ SPEC = FormatSpec(
     trailer=b"",
     min_sample_bytes=16,  # a record's framing: length, its CRC, the data's CRC
     samples=iter_records,
+    field_names=_field_names,
     split=SplitHooks(batches=_batches, keyed_by_feature=True, feature_keys=_feature_keys, field_value=_field_value),
     write_synthetic=_write_synthetic,
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterable, Iterator
 from types import MappingProxyType
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from geoshard.formats._window import Readable
 from geoshard.formats.spec import FieldValue, FormatSpec, LoadHooks, OnUnterminated, SampleBatch, SplitHooks, SynthSample
 from geoshard.formats.wds.index import index_tar
-from geoshard.formats.wds.reader import EXTENSIONS, iter_raw_samples, iter_raw_windows
+from geoshard.formats.wds.reader import EXTENSIONS, iter_raw_samples, iter_raw_windows, raw_members, sample_fields
 from geoshard.formats.wds.writer import BLOCK, TarWriter
 
 if TYPE_CHECKING:
@@ -48,6 +49,27 @@ def _write_synthetic(f: BinaryIO, samples: Iterable[SynthSample]) -> None:
     tw.close()
 
 
+def _field_names(raw: bytes) -> list[str]:
+    """Members by extension, and the keys of its JSON member as ``json.a`` (``json.a.b`` when nested)."""
+    members = raw_members(raw)
+    names = set(sample_fields(members))
+    for name, data in members:
+        if name.endswith(b".json"):
+            with contextlib.suppress(ValueError):  # not JSON: only its member name is listed
+                names.update(_json_paths(json.loads(data), "json"))
+    return sorted(names)
+
+
+def _json_paths(v: object, prefix: str, depth: int = 3) -> list[str]:
+    if not isinstance(v, dict) or depth == 0:
+        return []
+    out = []
+    for k, sub in v.items():
+        out.append(f"{prefix}.{k}")
+        out.extend(_json_paths(sub, f"{prefix}.{k}", depth - 1))
+    return out
+
+
 SPEC = FormatSpec(
     name="wds",
     suffix=".tar",
@@ -58,6 +80,7 @@ SPEC = FormatSpec(
     trailer=bytes(2 * BLOCK),  # the end-of-archive blocks
     min_sample_bytes=BLOCK,  # at least one member's header
     samples=iter_raw_samples,
+    field_names=_field_names,
     split=SplitHooks(batches=_batches, keyed_by_feature=False, feature_keys=None, field_value=_field_value),
     write_synthetic=_write_synthetic,
 )
