@@ -13,8 +13,11 @@ the whole job (``balance.py``) so that every rank of every region yields the sam
    on by its own length every epoch: after E epochs every sample was read E or E-1 times (when
    E blocks fit in the region), none is lost for good. When it is more (``remainder="pad"``),
    a block of samples is repeated, moving on the same way.
-3. What is read, in the permuted shard order, is cut into ``world_size`` equal contiguous ranges;
-   a rank reads only the shards of its range (a shard on a boundary is read by both neighbours).
+3. What is read, in the permuted shard order (the epoch's canonical sequence, ``EpochSequence``:
+   it depends on the rank count only through how much is left out), is cut into ``world_size``
+   equal contiguous ranges; a rank reads only the shards of its range (a shard on a boundary is
+   read by both neighbours). ``elastic.py`` continues an interrupted epoch from that sequence on
+   another world.
 4. The rank's stream is cut into batches and the batches into ``num_workers`` contiguous runs, so
    each worker reads its own shards and every rank yields the same number of batches.
 5. Within a worker's run, samples are shuffled inside consecutive windows (seeded by seed, epoch,
