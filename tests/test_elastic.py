@@ -5,6 +5,7 @@ The torchrun runs (3 -> 2 and 2 -> 4 ranks, a region added) are in test_elastic_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections import Counter
@@ -31,7 +32,7 @@ def _read(counts: list[int], epoch: int, layout: Layout, segments: tuple[Segment
     read: list[int] = []
     rows = []
     for rank in range(layout.world_size):
-        lay = Layout(**{**layout.__dict__, "rank": rank})
+        lay = dataclasses.replace(layout, rank=rank)
         plan = epoch_plan(counts, epoch, lay, segments)
         row = []
         for worker in range(lay.num_workers):
@@ -108,18 +109,28 @@ def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return split(tmp_path_factory.mktemp("elastic"), samples=1500)
 
 
-def _loader(plan: Path, rank: int, size: int, workers: int) -> Any:
-    return make_loader(plan, region=EU, region_rank=rank, region_size=size, batch_size=8, num_workers=workers, seed=3, shuffle_buffer=40)
+def _loader(plan: Path, rank: int, size: int, workers: int, per: int | None = None) -> Any:
+    return make_loader(
+        plan,
+        region=EU,
+        region_rank=rank,
+        region_size=size,
+        samples_per_rank=per,
+        batch_size=8,
+        num_workers=workers,
+        seed=3,
+        shuffle_buffer=40,
+    )
 
 
 def _segment(
-    plan: Path, size: int, workers: int, steps: int, states: list[dict[str, Any]] | None
+    plan: Path, size: int, workers: int, steps: int, states: list[dict[str, Any]] | None, per: int | None = None
 ) -> tuple[Counter[str], list[dict[str, Any]]]:
     """``size`` ranks each take ``steps`` batches (after resuming from ``states``, if any); their keys and states."""
     keys: Counter[str] = Counter()
     out = []
     for rank in range(size):
-        loader = _loader(plan, rank, size, workers)
+        loader = _loader(plan, rank, size, workers, per)
         if states is not None:
             loader.load_state_dict(region_states(json.loads(json.dumps(states)), EU))
         it = iter(loader)
@@ -149,6 +160,16 @@ def test_loaders_resumed_on_another_rank_count_read_the_rest_of_the_epoch_once(p
         for batch in loader:
             nxt.update(batch["__key__"])
     assert max(nxt.values()) == 1 and nxt.total() == len(region) - len(region) % new
+
+
+def test_a_region_removed_changes_the_samples_per_rank_and_the_rest_is_read_once(plan: Path) -> None:
+    """The same two ranks, but the job's figure was another region's (100 per rank) and now is the
+    region's own: the rest of the interrupted epoch is re-striped, not resumed as saved."""
+    region = {s["__key__"] for s in region_samples(plan.parent / "split" / EU, "wds")}
+    first, states = _segment(plan, 2, 2, 3, None, per=100)
+    rest, _ = _segment(plan, 2, 2, 10**6, states)
+    both = first + rest
+    assert max(both.values()) == 1 and set(both) <= region and both.total() == 200
 
 
 def test_same_world_resume_keeps_the_saved_position_and_a_partial_region_is_refused(plan: Path) -> None:
