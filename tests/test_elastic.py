@@ -109,18 +109,11 @@ def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return split(tmp_path_factory.mktemp("elastic"), samples=1500)
 
 
+ORDER: dict[str, Any] = {"region": EU, "batch_size": 8, "seed": 3, "shuffle_buffer": 40}  # the same in every segment
+
+
 def _loader(plan: Path, rank: int, size: int, workers: int, per: int | None = None) -> Any:
-    return make_loader(
-        plan,
-        region=EU,
-        region_rank=rank,
-        region_size=size,
-        samples_per_rank=per,
-        batch_size=8,
-        num_workers=workers,
-        seed=3,
-        shuffle_buffer=40,
-    )
+    return make_loader(plan, region_rank=rank, region_size=size, samples_per_rank=per, num_workers=workers, **ORDER)
 
 
 def _segment(
