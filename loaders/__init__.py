@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from geoshard.loaders.chain import AllTiersFailed, ChainSettings, TierChain, build_chain
     from geoshard.loaders.dataset import RegionalDataset
     from geoshard.loaders.decode import Label, Raw, TensorSpec
+    from geoshard.loaders.elastic import region_states
     from geoshard.loaders.loader import RegionalLoader, Timed, make_loader, timed
     from geoshard.manifest import RegionManifest, ShardEntry, read_region_manifest
     from geoshard.plan import Plan, load_plan
@@ -38,6 +39,7 @@ _WHERE = {
     "Label": "geoshard.loaders.decode",
     "Raw": "geoshard.loaders.decode",
     "TensorSpec": "geoshard.loaders.decode",
+    "region_states": "geoshard.loaders.elastic",
     "RegionalLoader": "geoshard.loaders.loader",
     "Timed": "geoshard.loaders.loader",
     "make_loader": "geoshard.loaders.loader",
@@ -65,6 +67,7 @@ __all__ = [
     "load_plan",
     "make_loader",
     "read_region_manifest",
+    "region_states",
     "timed",
 ]
 

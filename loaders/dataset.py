@@ -28,6 +28,7 @@ from geoshard.loaders.balance import Remainder
 from geoshard.loaders.batching import StatsShipper, item_count, make_items
 from geoshard.loaders.chain import ChainSettings, TierChain, build_chain
 from geoshard.loaders.decode import DecodeSpec, collate, make_decoder, tensor_spec
+from geoshard.loaders.elastic import epoch_per, own_state, resume_point
 from geoshard.loaders.epoch import Layout, per_rank
 from geoshard.loaders.fetchqueue import FetchQueue
 from geoshard.loaders.handoff import Consumption, EpochStart, WorkerFailure
@@ -172,6 +173,12 @@ class RegionalDataset(IterableDataset[Any]):
         """Items (samples, or batches with ``batch_size``) this rank yields per epoch."""
         return item_count(self._per_rank(), self._item_size)
 
+    def items_left(self) -> int:
+        """Items of the current epoch not yet handed to the consumer (an epoch resumed on another
+        world has its own length: ``elastic.py``)."""
+        per = epoch_per(self._counts, self.epoch, self.layout, self.consumption.segments)
+        return item_count(per, self._item_size) - self.items_taken()
+
     def remainder(self) -> dict[str, int]:
         """Per epoch, over this region's ranks: samples left out, and samples read twice."""
         total = sum(self._counts)
@@ -189,25 +196,39 @@ class RegionalDataset(IterableDataset[Any]):
             "shuffle": self.layout.shuffle,
             "region_rank": self.rank,
             "region_size": self.world_size,
-            "samples_per_rank": self._per_rank(),
+            "samples_per_rank": epoch_per(self._counts, self.epoch, self.layout, self.consumption.segments),
             "batch_size": self.layout.batch_size,
+            "shuffle_buffer": self.layout.shuffle_buffer,
             "num_workers": len(self.consumption.consumed),
             "consumed": list(self.consumption.consumed),
             "next_worker": self.consumption.next_worker,
+            "segments": [s.to_json() for s in self.consumption.segments],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from this rank's ``state_dict()``, exactly; or from ``region_states(...)`` (every
+        saved rank of the region), which also resumes on another rank count (``elastic.py``)."""
+        saved = own_state(state, self.rank)
+        if saved is not None:
+            self._check(saved)
+        point = resume_point(state, self._counts, self.layout)
+        if point.note and self.rank == 0:
+            log.warning("%s: %s", self.region, point.note)
+        self.epoch = point.epoch
+        self.consumption.restore(point.consumed, point.next_worker, point.segments)
+
+    def _check(self, state: Mapping[str, Any]) -> None:
+        """Refuse a saved state that no rank count makes fit this loader."""
         mine = self.state_dict()
         if state.get("version") != STATE_VERSION:
             raise ConfigError(
                 f"loader state version {state.get('version')!r} is not {STATE_VERSION}: it was saved by another geoshard, "
                 "whose epoch order differs; restart the epoch (drop the loader state) or resume with that version"
             )
-        for k in ("region", "generation", "seed", "shuffle", "region_rank", "region_size", "samples_per_rank", "batch_size"):
-            if state.get(k) != mine[k]:
+        # shuffle_buffer: states saved before elastic resume lack it (their resume is the same-world one).
+        for k in ("region", "generation", "seed", "shuffle", "batch_size", "shuffle_buffer"):
+            if state.get(k, mine[k] if k == "shuffle_buffer" else None) != mine[k]:
                 raise ConfigError(f"loader state does not fit this loader: {k} is {state.get(k)!r} there, {mine[k]!r} here")
-        self.epoch = int(state["epoch"])
-        self.consumption.restore([int(c) for c in state["consumed"]], int(state["next_worker"]))
 
     def begin(self, num_workers: int, *, tagged: bool = False) -> EpochStart:
         """Begin an iteration of the current epoch: its start, from a loaded state or from zero."""
@@ -251,7 +272,7 @@ class RegionalDataset(IterableDataset[Any]):
         fetch order, and its stream (shards, indices). The same in every process of the rank."""
         layout = dataclasses.replace(self.layout, num_workers=start.num_workers)
         cmap = ChunkMap(self.manifest.shards, self.chain().reads_chunks)
-        return rank_pieces(self._counts, cmap, layout, start.epoch, start.skips, start.rotation)
+        return rank_pieces(self._counts, cmap, layout, start.epoch, start.skips, start.rotation, start.segments)
 
     def fetch_queue(self, start: EpochStart) -> FetchQueue:
         """The rank's fetch order for an iteration beginning at ``start`` (made before the workers fork)."""

@@ -13,8 +13,11 @@ the whole job (``balance.py``) so that every rank of every region yields the sam
    on by its own length every epoch: after E epochs every sample was read E or E-1 times (when
    E blocks fit in the region), none is lost for good. When it is more (``remainder="pad"``),
    a block of samples is repeated, moving on the same way.
-3. What is read, in the permuted shard order, is cut into ``world_size`` equal contiguous ranges;
-   a rank reads only the shards of its range (a shard on a boundary is read by both neighbours).
+3. What is read, in the permuted shard order (the epoch's canonical sequence, ``EpochSequence``:
+   it depends on the rank count only through how much is left out), is cut into ``world_size``
+   equal contiguous ranges; a rank reads only the shards of its range (a shard on a boundary is
+   read by both neighbours). ``elastic.py`` continues an interrupted epoch from that sequence on
+   another world.
 4. The rank's stream is cut into batches and the batches into ``num_workers`` contiguous runs, so
    each worker reads its own shards and every rank yields the same number of batches.
 5. Within a worker's run, samples are shuffled inside consecutive windows (seeded by seed, epoch,
@@ -77,25 +80,33 @@ class RankPlan:
 
     def worker_range(self, worker: int, layout: Layout) -> tuple[int, int]:
         """Positions ``[start, stop)`` of the rank's stream that logical worker ``worker`` yields."""
-        nb = self.batches(layout.batch_size)
-        b0 = worker * nb // layout.num_workers
-        b1 = (worker + 1) * nb // layout.num_workers
-        return min(b0 * layout.batch_size, len(self)), min(b1 * layout.batch_size, len(self))
+        return worker_range(len(self), worker, layout)
 
     def worker_stream(self, worker: int, layout: Layout, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(shard, index) per sample that logical ``worker`` yields, in order."""
-        start, stop = self.worker_range(worker, layout)
-        shard, index = self.shard[start:stop], self.index[start:stop]
-        n = stop - start
-        if layout.shuffle and layout.shuffle_buffer > 1 and n > 1:
-            # Shuffled inside the worker's own range, so workers never read each other's shards.
-            rng = _rng(layout.seed, epoch, layout.rank, worker, 1)
-            perm = np.arange(n)
-            bounds = windows(n, layout)
-            for s, e in itertools.pairwise(bounds):
-                perm[s:e] = s + rng.permutation(e - s)
-            shard, index = shard[perm], index[perm]
-        return shard, index
+        pos = worker_order(len(self), worker, layout, epoch)
+        return self.shard[pos], self.index[pos]
+
+
+def worker_range(n: int, worker: int, layout: Layout) -> tuple[int, int]:
+    """Positions ``[start, stop)`` of a rank's stream of ``n`` samples that logical ``worker`` yields."""
+    nb = -(-n // layout.batch_size)
+    b0 = worker * nb // layout.num_workers
+    b1 = (worker + 1) * nb // layout.num_workers
+    return min(b0 * layout.batch_size, n), min(b1 * layout.batch_size, n)
+
+
+def worker_order(n: int, worker: int, layout: Layout, epoch: int) -> np.ndarray:
+    """The positions of a rank's stream of ``n`` samples that logical ``worker`` yields, in the order it yields them."""
+    start, stop = worker_range(n, worker, layout)
+    m = stop - start
+    perm = np.arange(m)
+    if layout.shuffle and layout.shuffle_buffer > 1 and m > 1:
+        # Shuffled inside the worker's own range, so workers never read each other's shards.
+        rng = _rng(layout.seed, epoch, layout.rank, worker, 1)
+        for s, e in itertools.pairwise(windows(m, layout)):
+            perm[s:e] = s + rng.permutation(e - s)
+    return start + perm
 
 
 def windows(n: int, layout: Layout) -> list[int]:
@@ -130,15 +141,37 @@ def per_rank(total: int, layout: Layout) -> int:
     return even_share(total, layout.world_size, layout.remainder)
 
 
-def rank_plan(counts: Sequence[int], epoch: int, layout: Layout) -> RankPlan:
+@dataclass(frozen=True)
+class EpochSequence:
+    """What a region's ranks read in (the rest of) an epoch, in order, before it is cut among them."""
+
+    ids: np.ndarray  # manifest positions of the samples
+    starts: np.ndarray  # manifest position of each shard's first sample
+    dropped: int  # samples of the region the sequence leaves out
+    padded: int  # samples it holds twice
+
+    def positions(self, rank: int, per: int) -> np.ndarray:
+        """Where rank ``rank``'s ``per`` samples sit in the sequence: the rank's contiguous range,
+        wrapping round when the ranks read more than it holds (``pad`` after a re-striping)."""
+        if per == 0 or len(self.ids) == 0:
+            return np.zeros(0, dtype=np.int64)
+        return (rank * per + np.arange(per, dtype=np.int64)) % len(self.ids)
+
+    def rank_plan(self, rank: int, per: int) -> RankPlan:
+        mine = self.ids[self.positions(rank, per)]
+        shard = np.searchsorted(self.starts, mine, side="right") - 1
+        return RankPlan(shard=shard, index=mine - self.starts[shard], dropped=self.dropped, padded=self.padded)
+
+
+def epoch_sequence(counts: Sequence[int], epoch: int, layout: Layout) -> EpochSequence:
+    """The epoch's samples for ``layout.world_size`` ranks of ``per_rank`` samples each, in the
+    region's canonical order: its shards permuted with ``(seed, epoch)``, independent of the rank count."""
     c_all = np.asarray(counts, dtype=np.int64)
     total = int(c_all.sum())
-    per = per_rank(total, layout)
-    read = per * layout.world_size  # samples the region's ranks read this epoch
-    empty = np.zeros(0, dtype=np.int64)
-    if total == 0 or per == 0:
-        return RankPlan(empty, empty, total, 0)
+    read = per_rank(total, layout) * layout.world_size  # samples the region's ranks read this epoch
     starts = np.cumsum(c_all) - c_all  # manifest position of each shard's first sample
+    if total == 0 or read == 0:
+        return EpochSequence(np.zeros(0, dtype=np.int64), starts, total, 0)
     order = _rng(layout.seed, epoch).permutation(len(c_all)) if layout.shuffle else np.arange(len(c_all))
     c = c_all[order]
     # Manifest positions of the region's samples in the permuted shard order.
@@ -147,11 +180,12 @@ def rank_plan(counts: Sequence[int], epoch: int, layout: Layout) -> RankPlan:
         out = total - read  # the block left out this epoch starts where last epoch's ended
         lo = (epoch * out) % total
         ids = ids[(ids - lo) % total >= out] if out else ids
-        dropped, padded = out, 0
-    else:
-        extra = read - total  # repeated: a moving block too, appended after the whole region
-        ids = np.concatenate([ids, (epoch * extra + np.arange(extra, dtype=np.int64)) % total])
-        dropped, padded = 0, extra
-    mine = ids[layout.rank * per : (layout.rank + 1) * per]
-    shard = np.searchsorted(starts, mine, side="right") - 1
-    return RankPlan(shard=shard, index=mine - starts[shard], dropped=dropped, padded=padded)
+        return EpochSequence(ids, starts, out, 0)
+    extra = read - total  # repeated: a moving block too, appended after the whole region
+    ids = np.concatenate([ids, (epoch * extra + np.arange(extra, dtype=np.int64)) % total])
+    return EpochSequence(ids, starts, 0, extra)
+
+
+def rank_plan(counts: Sequence[int], epoch: int, layout: Layout) -> RankPlan:
+    seq = epoch_sequence(counts, epoch, layout)
+    return seq.rank_plan(layout.rank, per_rank(int(np.sum(counts)), layout))

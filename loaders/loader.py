@@ -68,7 +68,7 @@ class RegionalLoader(DataLoader[Any]):
         it = iter(self)
         while True:
             ds = self.dataset
-            left = len(ds) - ds.items_taken()
+            left = ds.items_left()
             nxt: Iterator[Any] | None = None
             for item in it:
                 yield item
@@ -128,6 +128,11 @@ class RegionalLoader(DataLoader[Any]):
             if isinstance(item, PackedBatch):  # TensorSpec: views of its shared slot (or of its own array)
                 item = unpack(item, self._slots.open(item.slot, item.nbytes) if self._slots and item.slot >= 0 else item.data)
             yield item
+
+    def __len__(self) -> int:
+        # DataLoader's own would also warn when an epoch yields more items than this, as one
+        # resumed on fewer ranks may (elastic.py).
+        return len(self.dataset)
 
     def set_epoch(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)

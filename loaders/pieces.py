@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from geoshard.loaders.epoch import Layout, need_positions, rank_plan
+from geoshard.loaders.elastic import Segment, epoch_plan
+from geoshard.loaders.epoch import Layout, need_positions
 from geoshard.manifest import ShardEntry
 
 
@@ -149,10 +150,19 @@ class RankPieces:
         return sum(1 for wp in self.workers for p in wp.pieces if p.need < batch_size)
 
 
-def rank_pieces(counts: Sequence[int], cmap: ChunkMap, layout: Layout, epoch: int, skips: Sequence[int], rotation: int) -> RankPieces:
+def rank_pieces(
+    counts: Sequence[int],
+    cmap: ChunkMap,
+    layout: Layout,
+    epoch: int,
+    skips: Sequence[int],
+    rotation: int,
+    segments: Sequence[Segment] = (),
+) -> RankPieces:
     """The pieces of every logical worker of a rank (``layout.num_workers`` of them), each after
-    skipping the samples ``skips`` says it already delivered, and the rank's fetch order of them."""
-    plan = rank_plan(counts, epoch, layout)
+    skipping the samples ``skips`` says it already delivered, and the rank's fetch order of them;
+    after ``segments`` (an epoch resumed on another world), of the rank's stripe of the epoch's rest."""
+    plan = epoch_plan(counts, epoch, layout, segments)
     workers, streams = [], []
     for w, skip in enumerate(skips):
         shards, idx = plan.worker_stream(w, layout, epoch)

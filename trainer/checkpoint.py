@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 from geoshard import s3
 from geoshard.errors import ConfigError, DataError, StorageError
+from geoshard.loaders.elastic import region_states
 from geoshard.util.endpoints import display_endpoint
 from geoshard.util.fsutil import write_atomic
 from geoshard.util.retry import Backoff, retry
@@ -53,6 +54,16 @@ _POINTER_LIMIT = 1024**2  # a pointer names a few checkpoints; anything larger i
 
 def checkpoint_name(step: int) -> str:
     return f"ckpt-{step:09d}.pt"
+
+
+def loader_position(states: Any, region: str, rank: int) -> Any:
+    """What a rank's loader resumes from, out of a checkpoint's ``loaders`` (every rank's state, keyed
+    by region and rank in it): all of its region's states (``region_states``), which resume as
+    saved on the same ranks and re-striped on others; a region the checkpoint lacks begins the
+    job's epoch. A checkpoint of a single-region version holds a list by global rank."""
+    if isinstance(states, list):
+        return states[rank]
+    return region_states(states.values(), region)
 
 
 @dataclass(frozen=True)

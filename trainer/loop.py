@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from geoshard.errors import ConfigError, DataError
 from geoshard.loaders import RegionalLoader, make_loader
 from geoshard.plan import load_plan
-from geoshard.trainer.checkpoint import CheckpointStore
+from geoshard.trainer.checkpoint import CheckpointStore, loader_position
 from geoshard.trainer.comm import CommState, hierarchical_hook, resolve_sync, timed_allreduce_hook
 from geoshard.trainer.config import TrainConfig
 from geoshard.trainer.context import RankContext
@@ -194,7 +194,7 @@ def _resume(
     ds = loader.dataset
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
-    loader.load_state_dict(_loader_state(state["loaders"], ctx.region, ds.rank, ctx.rank))
+    loader.load_state_dict(loader_position(state["loaders"], ctx.region, ctx.rank))
     log.warning("rank %d: resumed at step %d (epoch %d; %s rank %d)", ctx.rank, step, ds.epoch, ctx.region, ds.rank)
     return step, state.get("outer") or {}
 
@@ -238,15 +238,6 @@ def _announce(cfg: TrainConfig, ctx: RankContext, balance: Any, sync: str) -> No
         plan = load_plan(cfg.plan)
         for warning in balance.weight_warnings({r: plan.region(r).weight for r in ctx.topology.region_names}):
             log.warning("%s", warning)
-
-
-def _loader_state(states: Any, region: str, region_rank: int, rank: int) -> Any:
-    if isinstance(states, list):  # checkpoints of single-region versions: by global rank
-        return states[rank]
-    key = loader_key(region, region_rank)
-    if key not in states:
-        raise ConfigError(f"the checkpoint has no loader position for {key}; resume with the same ranks per region")
-    return states[key]
 
 
 @dataclass(frozen=True)
