@@ -112,6 +112,17 @@ def test_compression_halves_the_bytes_and_round_trips_within_its_precision(compr
     assert compression == "none" or not torch.equal(back, x)  # the cast did happen
 
 
+def rounds_at(dl: dict[str, DiLoCo], step: int, timeout: float = 60) -> dict[str, RoundRecord | None]:
+    """``maybe_sync(step)`` on every leader at once (a thread each), as the regions do."""
+    out: dict[str, RoundRecord | None] = {}
+    threads = [threading.Thread(target=lambda g=g: out.__setitem__(g, dl[g].maybe_sync(step))) for g in dl]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return out
+
+
 def _filled(value: float) -> nn.Module:
     m = nn.Linear(3, 2)
     with torch.no_grad():
@@ -140,13 +151,7 @@ def test_an_outer_round_with_a_region_missing_averages_over_the_regions_present(
             with torch.no_grad():
                 for p in models[g].parameters():
                     p.fill_(v)
-        out: dict[str, RoundRecord | None] = {}
-        threads = [threading.Thread(target=lambda g=g: out.__setitem__(g, dl[g].maybe_sync(step))) for g in dl]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        return out
+        return rounds_at(dl, step, 30)
 
     assert both(1, {"us-east-1": 0.5, "eu-west-1": 0.25}) == {"us-east-1": None, "eu-west-1": None}  # not a round step
     recs = both(2, {"us-east-1": 0.5, "eu-west-1": 0.25})

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_diloco import REGIONS, SECRET, _port, finish, start
+from test_diloco import REGIONS, SECRET, _port, finish, rounds_at, start
 from torch import nn
 
 from geoshard.errors import ConfigError
@@ -206,16 +206,6 @@ def test_unsigned_values_are_refused_and_a_value_cannot_be_replayed_under_anothe
     assert other.get("diloco/r/1/members") is None
 
 
-def _both(dl: dict[str, DiLoCo], step: int) -> dict[str, RoundRecord | None]:
-    out: dict[str, RoundRecord | None] = {}
-    threads = [threading.Thread(target=lambda g=g: out.__setitem__(g, dl[g].maybe_sync(step))) for g in dl]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
-
-
 def test_a_region_that_finished_is_never_counted_missing_nor_waited_for() -> None:
     """us-east-1 starts round 2 expecting eu-west-1, which finishes its steps instead: us-east-1
     stops waiting within a second or two (not its 20 s timeout), and neither that round nor the
@@ -223,7 +213,7 @@ def test_a_region_that_finished_is_never_counted_missing_nor_waited_for() -> Non
     server = host_store()
     sync = OuterSync(outer_steps=1, outer_lr=1.0, outer_momentum=0.0, round_timeout_s=20)
     dl = {g: _leader(_filled(1.0), g, server.port, sync) for g in REGIONS}
-    recs = _both(dl, 1)
+    recs = rounds_at(dl, 1)
     assert all(r is not None and r.regions == REGIONS for r in recs.values())
     out: dict[str, RoundRecord] = {}
     t = threading.Thread(target=lambda: out.__setitem__("r2", dl[US].sync_now(2)))
@@ -271,7 +261,7 @@ def test_a_leader_that_reads_the_roster_after_its_round_was_published_is_a_membe
         with torch.no_grad():
             for p in models[g].parameters():
                 p.fill_(v)
-    recs = _both(dl, 1)
+    recs = rounds_at(dl, 1)
     for g, rec in recs.items():
         assert rec is not None and (rec.round, rec.regions, rec.missing, rec.adopted) == (1, REGIONS, (), False), (g, rec)
         assert all(p.eq(0.375).all() for p in models[g].parameters()), g
@@ -305,3 +295,48 @@ def test_the_trainer_refuses_an_outer_store_without_a_secret_in_one_line(tmp_pat
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False, env=env, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("geoshard.trainer: error: --outer-store needs --outer-secret-file")
+
+
+def _holders(needles: list[bytes]) -> list[int]:
+    """Processes whose argv or environment holds any of ``needles``."""
+    return _cmdlines_hold(needles, [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and int(e.name) != os.getpid()])
+
+
+@pytest.mark.slow
+def test_geoshard_train_hands_the_secret_out_of_band_and_it_appears_nowhere(tmp_path: Path) -> None:
+    """``geoshard train --regions ... --sync diloco``: while it runs, RUN_DIR/.outer-secret holds 32
+    random bytes (mode 600), and no process has them (raw or hex) in its argv or environment; the
+    rounds are all signed (nothing refused); afterwards the file is gone and no output holds them."""
+    from test_diloco_train import local_plan, train_argv
+
+    plan = local_plan(tmp_path, {US: 1, EU: 1}, samples=1200)
+    out = tmp_path / "run"
+    argv = train_argv(plan, out, f"{US}:1,{EU}:1", "--steps", 30, "--outer-steps", 5, "--step-time", "0.1", "--hidden", 64)
+    key = out / ".outer-secret"
+    with (tmp_path / "run.log").open("w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    leaks, secret, mode = [], b"", 0
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            if not secret and key.exists():
+                mode, secret = key.stat().st_mode & 0o777, key.read_bytes()
+            if secret:
+                leaks += _holders([secret, secret.hex().encode()])
+            time.sleep(0.5)
+        code = proc.wait(timeout=max(1, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = (tmp_path / "run.log").read_text()
+    assert code == 0, text[-3000:]
+    assert len(secret) == 32 and mode == 0o600 and leaks == []
+    assert not key.exists()
+    report = json.loads((out / "report.json").read_text())
+    assert report["outer"]["refused"] == {} and report["outer"]["left_out"] == []
+    assert all(r["regions"] == [US, EU] for r in report["outer"]["rounds"])
+    for f in [tmp_path / "run.log", *out.rglob("*")]:
+        if f.is_file():
+            data = f.read_bytes()
+            assert secret not in data and secret.hex().encode() not in data, f

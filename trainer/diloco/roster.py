@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from geoshard.trainer.diloco.auth import Refused
 from geoshard.trainer.diloco.kv import KV
 
 LEFT = "left"
@@ -93,4 +94,7 @@ class Roster:
         if value is None:
             return None
         names = tuple(g for g in value.decode("ascii", errors="replace").split(",") if g)
-        return names if set(names) <= set(self.regions) else None
+        if not set(names) <= set(self.regions):
+            self.kv.signer.refuse(key, Refused("malformed", f"members {','.join(names)[:80]!r} are not the job's regions"), value)
+            return None
+        return names
