@@ -107,8 +107,8 @@ class Exchange:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            self.kv.wait_all([self.grad_key(r, g) for g in waiting], min(remaining, RECHECK_S))
-            there = [g for g in waiting if self.kv.store.check([self.grad_key(r, g)])]
+            every = self.kv.wait_all([self.grad_key(r, g) for g in waiting], min(remaining, RECHECK_S))
+            there = waiting if every else [g for g in waiting if self.kv.store.check([self.grad_key(r, g)])]
             for g, raw in zip(there, self.kv.get_many([self.grad_key(r, g) for g in there]), strict=True):
                 try:
                     self.kv.head(self.grad_key(r, g), raw, self.opt.bounds.grad_bytes)
