@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from geoshard.trainer.diloco import DiLoCo, OuterSync, OuterSyncError, RoundReco
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "jobs" / "diloco_region.py"
 REGIONS = ("us-east-1", "eu-west-1")
+SECRET = secrets.token_bytes(32)  # the job's; the region processes read it from OUT/outer-secret
 
 
 def _port() -> int:
@@ -37,6 +39,10 @@ def _port() -> int:
 
 def start(mode: str, region: str, rank: int, size: int, region_port: int, store_port: int, out: Path) -> subprocess.Popen[str]:
     argv = [sys.executable, "-P", str(JOB), mode, region, str(rank), str(size), str(region_port), str(store_port), str(out)]
+    key = out / "outer-secret"
+    if not key.exists():
+        key.touch(mode=0o600)
+        key.write_bytes(SECRET)
     with (out / f"{mode}-{region}-{rank}-{time.monotonic_ns()}.log").open("w") as log:  # the child keeps its own descriptor
         return subprocess.Popen(argv, cwd=out, stdout=log, stderr=subprocess.STDOUT, text=True)
 
@@ -66,14 +72,14 @@ def test_outer_sync_settings_are_checked_with_one_line_naming_the_field() -> Non
             OuterSync(**bad)  # type: ignore[arg-type]
         assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="not one of the job's regions"):
-        DiLoCo(nn.Linear(2, 2), OuterSync(), "mars-1", REGIONS)
+        DiLoCo(nn.Linear(2, 2), OuterSync(), "mars-1", REGIONS, secret=SECRET)
     with pytest.raises(ConfigError, match="distinct names"):
-        DiLoCo(nn.Linear(2, 2), OuterSync(), "a,b", ("a,b", "c"))
+        DiLoCo(nn.Linear(2, 2), OuterSync(), "a,b", ("a,b", "c"), secret=SECRET)
 
 
 def test_a_region_with_other_outer_settings_or_another_model_is_refused_at_join() -> None:
     server = host_store()
-    first = DiLoCo(nn.Linear(3, 2), OuterSync(outer_steps=5), REGIONS[0], REGIONS)
+    first = DiLoCo(nn.Linear(3, 2), OuterSync(outer_steps=5), REGIONS[0], REGIONS, secret=SECRET)
     assert first.join(connect_store("127.0.0.1", server.port)).created
     for model, sync, what in (
         (
@@ -84,7 +90,7 @@ def test_a_region_with_other_outer_settings_or_another_model_is_refused_at_join(
         (nn.Linear(4, 2), OuterSync(outer_steps=5), "parameters 10 (the job has 8)"),
     ):
         with pytest.raises(ConfigError) as e:
-            DiLoCo(model, sync, REGIONS[1], REGIONS).join(connect_store("127.0.0.1", server.port))
+            DiLoCo(model, sync, REGIONS[1], REGIONS, secret=SECRET).join(connect_store("127.0.0.1", server.port))
         assert str(e.value) == f"DiLoCo: region eu-west-1 does not match the job's outer settings: {what}"
 
 
@@ -106,6 +112,17 @@ def test_compression_halves_the_bytes_and_round_trips_within_its_precision(compr
     assert compression == "none" or not torch.equal(back, x)  # the cast did happen
 
 
+def rounds_at(dl: dict[str, DiLoCo], step: int, timeout: float = 60) -> dict[str, RoundRecord | None]:
+    """``maybe_sync(step)`` on every leader at once (a thread each), as the regions do."""
+    out: dict[str, RoundRecord | None] = {}
+    threads = [threading.Thread(target=lambda g=g: out.__setitem__(g, dl[g].maybe_sync(step))) for g in dl]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return out
+
+
 def _filled(value: float) -> nn.Module:
     m = nn.Linear(3, 2)
     with torch.no_grad():
@@ -124,7 +141,7 @@ def test_an_outer_round_with_a_region_missing_averages_over_the_regions_present(
     regions = ("us-east-1", "eu-west-1", "ap-southeast-1")
     sync = OuterSync(outer_steps=2, outer_lr=1.0, outer_momentum=0.0, compression=compression, round_timeout_s=1.5)
     models = {"us-east-1": _filled(1.0), "eu-west-1": _filled(7.0)}
-    dl = {g: DiLoCo(m, sync, g, regions) for g, m in models.items()}
+    dl = {g: DiLoCo(m, sync, g, regions, secret=SECRET) for g, m in models.items()}
     joins = {g: d.join(connect_store("127.0.0.1", server.port)) for g, d in dl.items()}
     assert joins["us-east-1"].created and not joins["eu-west-1"].created
     assert all(p.eq(1.0).all() for p in models["eu-west-1"].parameters())  # took round 0's parameters
@@ -134,13 +151,7 @@ def test_an_outer_round_with_a_region_missing_averages_over_the_regions_present(
             with torch.no_grad():
                 for p in models[g].parameters():
                     p.fill_(v)
-        out: dict[str, RoundRecord | None] = {}
-        threads = [threading.Thread(target=lambda g=g: out.__setitem__(g, dl[g].maybe_sync(step))) for g in dl]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        return out
+        return rounds_at(dl, step, 30)
 
     assert both(1, {"us-east-1": 0.5, "eu-west-1": 0.25}) == {"us-east-1": None, "eu-west-1": None}  # not a round step
     recs = both(2, {"us-east-1": 0.5, "eu-west-1": 0.25})
@@ -166,7 +177,7 @@ def test_pseudo_gradients_and_states_larger_than_the_stores_message_limit_go_thr
     regions = ("us-east-1", "eu-west-1")
     sync = OuterSync(outer_steps=1, outer_lr=1.0, outer_momentum=0.5, compression="none", round_timeout_s=30)
     models = {g: nn.Linear(1500, 1500, bias=False) for g in regions}
-    dl = {g: DiLoCo(m, sync, g, regions) for g, m in models.items()}
+    dl = {g: DiLoCo(m, sync, g, regions, secret=SECRET) for g, m in models.items()}
     for d in dl.values():
         d.join(connect_store("127.0.0.1", server.port))
     start = models["us-east-1"].weight.detach().clone()
@@ -185,7 +196,7 @@ def test_pseudo_gradients_and_states_larger_than_the_stores_message_limit_go_thr
         assert rec is not None and rec.regions == regions and rec.bytes_read == 1500 * 1500 * 4
         # The mean pseudo-gradient, 2.0; lr 1 and Nesterov momentum 0.5 make the first step 2.0 * 1.5.
         assert torch.allclose(models[g].weight, start - 3.0, atol=1e-5), g
-    late = DiLoCo(nn.Linear(1500, 1500, bias=False), sync, "eu-west-1", regions)
+    late = DiLoCo(nn.Linear(1500, 1500, bias=False), sync, "eu-west-1", regions, secret=SECRET)
     rejoin = late.join(connect_store("127.0.0.1", server.port))  # the published state of round 1: 18 MB
     assert rejoin.round == 1 and rejoin.bytes_read > 2 * 1500 * 1500 * 4
     assert torch.equal(late.model.weight, models["us-east-1"].weight)  # type: ignore[arg-type]

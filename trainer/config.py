@@ -97,6 +97,7 @@ class TrainConfig:
     outer_overlap: int = 0  # inner steps a round's exchange runs behind training (0: each round waits)
     outer_store: str | None = None  # HOST:PORT of the store the region leaders meet in (geoshard train hosts it)
     outer_regions: str | None = None  # the job's regions and ranks, REGION:RANKS,... (the same on every region)
+    outer_secret_file: str | None = None  # the job's secret that signs the store's values (its path, never the secret)
     utilization_target: float = 0.95  # compute time / wall time the report holds the job to
 
     def __post_init__(self) -> None:
@@ -117,6 +118,11 @@ class TrainConfig:
             raise ConfigError(f"--utilization-target must lie in (0, 1], got {self.utilization_target}")
         if self.outer_store is not None:
             parse_host_port(self.outer_store, "--outer-store")
+            if self.outer_secret_file is None:
+                raise ConfigError(
+                    "--outer-store needs --outer-secret-file (or GEOSHARD_OUTER_SECRET_FILE): a file only you can read, "
+                    "the same on every region, e.g. head -c 32 /dev/urandom > FILE; chmod 600 FILE"
+                )
         if self.outer_regions is not None:
             regions = parse_regions(self.outer_regions, "--outer-regions")
             if self.region is not None and self.region not in [r.region for r in regions]:

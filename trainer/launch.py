@@ -181,12 +181,15 @@ def _launch_separate_regions(
     """DiLoCo: one torchrun job per region; 0 when every region finished its steps, else the exit
     status of the first region that failed for good (the others still ran to their end)."""
     from geoshard.trainer.diloco import host_store
+    from geoshard.trainer.diloco.auth import write_secret
 
     host = net.address(regions[0].region)
     with net.inside(regions[0].region):
         outer = host_store(host, timeout_s=max(300.0, cfg.outer_timeout))
     spec = ",".join(f"{r.region}:{r.nproc}" for r in regions)
-    job_cfg = dataclasses.replace(cfg, outer_store=f"{host}:{outer.port}", outer_regions=spec)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    secret = write_secret(cfg.out)  # signs the store's values; the ranks get its path, never the secret
+    job_cfg = dataclasses.replace(cfg, outer_store=f"{host}:{outer.port}", outer_regions=spec, outer_secret_file=str(secret))
     stores: dict[str, Any] = {}
     for r in regions:  # each region's rendezvous inside its own network: nothing of it crosses a link
         with net.inside(r.region):
@@ -198,6 +201,7 @@ def _launch_separate_regions(
         return jobs.supervise(regions)
     finally:
         jobs.stop()
+        secret.unlink(missing_ok=True)  # it signs nothing once the store is gone
         del outer  # the stores go with this frame, after every region stopped
 
 

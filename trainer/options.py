@@ -72,6 +72,12 @@ _OPTIONS = [
     ),
     click.option("--outer-regions", help="DiLoCo with your own torchrun per region: the job's REGION:RANKS,... (the same everywhere)."),
     click.option(
+        "--outer-secret-file",
+        envvar="GEOSHARD_OUTER_SECRET_FILE",
+        help="DiLoCo with --outer-store: a file (mode 600, the same on every region) holding the job's secret, "
+        "which signs every value in the store.",
+    ),
+    click.option(
         "--utilization-target",
         default=0.95,
         show_default=True,

@@ -234,7 +234,13 @@ def _outer_renderables(r: Mapping[str, Any]) -> list[RenderableType]:
             str(g["steps_lost"]),
             style="yellow" if lost else None,
         )
-    return [table, regions]
+    out: list[RenderableType] = [table, regions]
+    for x in o.get("left_out", [])[-MAX_ROUND_ROWS:]:
+        out.append(Text(f"round {x['round']} left out {x['region']}'s pseudo-gradient: {x['reason']}", style="yellow"))
+    if o.get("refused"):
+        counts = ", ".join(f"{name} {n}" for name, n in o["refused"].items())
+        out.append(Text(f"values refused from the outer store (unsigned, malformed or non-finite): {counts}", style="yellow"))
+    return out
 
 
 def _count(n: Any) -> str:

@@ -6,6 +6,7 @@ argv: MODE REGION REGION_RANK REGION_SIZE REGION_PORT STORE_PORT OUT
          synchronous data-parallel reference on the whole global batch and writes the distance;
          then the same with outer lr 0.7 (which must not match)
   loss   H=5, inner AdamW, the paper's outer settings and fp16; each region writes the eval loss per round
+  trust  H=5 under the default prefix, where the test planted values before the regions joined
   chaos  paced rounds until the store holds ``stop``; one JSON line per round (pid, digest of the
          parameters) in OUT/REGION-RANK.jsonl; the test kills and restarts a region
 """
@@ -30,6 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from geoshard.trainer.diloco import DiLoCo, OuterSync, RoundRecord, connect_store
+from geoshard.trainer.diloco.auth import read_secret
 from geoshard.trainer.exit import exit_rank
 
 REGIONS = ("us-east-1", "eu-west-1")
@@ -66,6 +68,7 @@ class Region:
         self.mode, self.region = argv[0], argv[1]
         self.rank, self.size, port, self.store_port = int(argv[2]), int(argv[3]), int(argv[4]), int(argv[5])
         self.out = Path(argv[6])
+        self.secret = read_secret(self.out / "outer-secret")  # the test's job secret, as a launcher hands it out
         self.group: Any = None
         if self.size > 1:
             dist.init_process_group(
@@ -77,8 +80,8 @@ class Region:
     def trainer(self, sync: OuterSync, prefix: str, lr: float, adamw: bool = False) -> tuple[nn.Module, nn.Module, DiLoCo]:
         model = make_model()
         wrapped = DDP(model, process_group=self.group) if self.group is not None else model
-        diloco = DiLoCo(model, sync, self.region, REGIONS, group=self.group, prefix=prefix)
-        diloco.join(self.store)
+        diloco = DiLoCo(model, sync, self.region, REGIONS, group=self.group, prefix=prefix, secret=self.secret)
+        self.joined = diloco.join(self.store)
         params = list(model.parameters())
         self.opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=lr) if adamw else torch.optim.SGD(params, lr=lr)
         return model, wrapped, diloco
@@ -183,6 +186,28 @@ def overlap(job: Region) -> None:
     (job.out / f"overlap-{job.region}-{job.rank}.json").write_text(json.dumps(result))
 
 
+def trust(job: Region) -> None:
+    """H=5, 40 steps under the default prefix ``diloco``, where the test planted values of its own
+    before the regions joined; with ``NAN_AT`` in the environment, eu-west-1's parameters turn NaN
+    after that step (its own pseudo-gradient is non-finite at the next round)."""
+    sync = OuterSync(outer_steps=5, compression="fp16", round_timeout_s=20, join_timeout_s=60)
+    model, wrapped, diloco = job.trainer(sync, "diloco", lr=0.05)
+    nan_at = int(os.environ.get("NAN_AT", "0"))
+    losses, records = [], []
+    for step in range(1, 41):
+        losses.append(job.inner_step(wrapped, step))
+        if step == nan_at and job.region == REGIONS[1]:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(float("nan"))
+        rec = diloco.maybe_sync(step)
+        if rec is not None:
+            records.append(record(rec))
+    diloco.leave()
+    result = {"losses": losses, "records": records, "digest": digest(model), "join_refused": job.joined.refused}
+    (job.out / f"trust-{job.region}.json").write_text(json.dumps(result))
+
+
 def chaos(job: Region) -> None:
     sync = OuterSync(outer_steps=5, compression="fp16", round_timeout_s=3.0, join_timeout_s=60)
     model, wrapped, diloco = job.trainer(sync, "chaos", lr=0.05)
@@ -210,7 +235,7 @@ def chaos(job: Region) -> None:
 def main() -> None:
     faulthandler.enable()  # a C++ abort (SIGABRT) prints where each Python thread was
     job = Region(sys.argv[1:])
-    {"equiv": equiv, "loss": loss, "chaos": chaos, "overlap": overlap}[job.mode](job)
+    {"equiv": equiv, "loss": loss, "chaos": chaos, "overlap": overlap, "trust": trust}[job.mode](job)
     if job.group is not None:
         dist.destroy_process_group()
     exit_rank(0)  # DDP keeps gloo's threads alive into finalization (trainer/exit.py)

@@ -21,8 +21,12 @@ One outer round ``r``, on each region's leader (in-region rank 0):
 A region whose pseudo-gradient missed the close (it was late or is rejoining) takes the round's
 published state instead of its own result and goes on from there.
 
-The modules, bottom up: ``kv`` (the store, values in parts), ``settings`` (``OuterSync``, the
-pseudo-gradient's compression), ``record`` (``RoundRecord``: the round, and the rounds file's
+Nothing read from the store is trusted: every value is signed with the job's secret and checked
+against the model before use (docs/diloco.md, "Authentication and checks").
+
+The modules, bottom up: ``auth`` (the job's secret, HMAC signatures, refusals counted), ``kv``
+(the store, signed values in parts), ``settings`` (``OuterSync``, the pseudo-gradient's
+compression), ``checks`` (every value read against the model's bounds), ``record`` (``RoundRecord``: the round, and the rounds file's
 one writer and reader), ``roster`` (who a round waits for, who it averaged), ``optimizer`` (the
 outer parameters, their SGD, the published state), ``exchange`` (one round on a leader, and the
 thread that runs it behind training), ``rank`` (``DiLoCo``: one per rank), ``loop`` (DiLoCo in

@@ -2,12 +2,15 @@
 
 A ``torch.distributed.TCPStore`` server (libuv) refuses a message over 8 MiB, and a pseudo-gradient
 or the outer state of a real model is far larger: values go in parts of ``PART_BYTES``, under
-``key/<i>``, then ``key`` itself = the number of parts, last, so whoever sees ``key`` finds every
-part. Every call is bounded: the store may be an ocean away, or gone.
+``key/<i>``, then ``key`` itself = its head (number of parts, size, MAC of the bytes), signed and
+last, so whoever sees ``key`` finds every part. Every value is signed with the job's secret
+(``auth``) and a reader checks a head's size against its bound before it reads any part. Every
+call is bounded: the store may be an ocean away, or gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from typing import Any, Protocol
@@ -15,9 +18,11 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from geoshard.errors import GeoshardError
+from geoshard.trainer.diloco.auth import Refused, Signer
 
 POLL_S = 0.02  # how often a leader looks at the store while it waits; one round trip each
 PART_BYTES = 4 << 20
+MAX_VALUE_BYTES = 1 << 40  # only for deleting a value this job signed
 
 
 class OuterSyncError(GeoshardError):
@@ -55,49 +60,84 @@ def parts(nbytes: int) -> int:
 
 
 class KV:
-    """A store under one key prefix, with values of any size and bounded waits."""
+    """A store under one key prefix, with signed values of any size and bounded waits."""
 
-    def __init__(self, store: Store, prefix: str) -> None:
+    def __init__(self, store: Store, prefix: str, signer: Signer) -> None:
         self.store = store
         self.prefix = prefix
+        self.signer = signer
 
     def key(self, *names: object) -> str:
         return "/".join([self.prefix, *map(str, names)])
 
     def get_many(self, keys: list[str]) -> list[bytes]:
-        """Values of keys that exist: one round trip on a TCPStore (``multi_get``), else one each."""
+        """Raw values of keys that exist: one round trip on a TCPStore (``multi_get``), else one each."""
         multi_get = getattr(self.store, "multi_get", None)
         return list(multi_get(keys)) if multi_get is not None else [self.store.get(k) for k in keys]
 
-    def get_if(self, key: str) -> bytes | None:
-        """The value of ``key``, None when it is not there."""
-        return self.store.get(key) if self.store.check([key]) else None
+    def set(self, key: str, text: str) -> None:
+        """A small value, signed."""
+        self.store.set(key, self.signer.sign(key, text.encode()))
+
+    def opened(self, key: str, raw: bytes) -> bytes | None:
+        """The payload of a signed value; None (counted, and logged once per kind) when it is refused."""
+        try:
+            return self.signer.open(key, raw)
+        except Refused as e:
+            self.signer.refuse(key, e, raw)
+            return None
+
+    def get(self, key: str) -> bytes | None:
+        """The payload under ``key``; None when it is not there or is refused."""
+        return self.opened(key, self.store.get(key)) if self.store.check([key]) else None
+
+    def open_many(self, keys: list[str]) -> list[bytes | None]:
+        """Payloads of keys that exist, in one round trip; None for each refused."""
+        return [self.opened(k, v) for k, v in zip(keys, self.get_many(keys), strict=True)]
 
     def put(self, key: str, payload: bytes) -> None:
-        """A value of any size: its parts, then ``key`` = the number of parts."""
+        """A value of any size: its parts, then ``key`` = the number of parts, its size and its MAC, signed."""
         n = parts(len(payload))
         for i in range(n):
             self.store.set(f"{key}/{i}", payload[i * PART_BYTES : (i + 1) * PART_BYTES])
-        self.store.set(key, str(n))
+        self.set(key, f"{n} {len(payload)} {self.signer.mac(key, payload)}")
 
-    def fetch(self, keys: list[str], nparts: int | None = None) -> list[bytes]:
-        """Values written by ``put``, in one ``multi_get`` of all their parts (plus one for the
-        numbers of parts, unless ``nparts`` gives it)."""
-        counts = [nparts] * len(keys) if nparts is not None else [int(v) for v in self.get_many(keys)]
-        values = self.get_many([f"{k}/{i}" for k, n in zip(keys, counts, strict=True) for i in range(n)])
-        out, j = [], 0
-        for n in counts:
-            out.append(b"".join(values[j : j + n]))
-            j += n
+    def head(self, key: str, raw: bytes, max_bytes: int) -> tuple[int, str]:
+        """A chunked value's size and MAC from its signed head; Refused when it is not signed or out of bounds."""
+        fields = self.signer.open(key, raw).decode("ascii", errors="replace").split()
+        if len(fields) != 3 or not fields[0].isdigit() or not fields[1].isdigit():
+            raise Refused("malformed", "its head is not 'parts bytes mac'")
+        n, nbytes = int(fields[0]), int(fields[1])
+        if nbytes > max_bytes or n != parts(nbytes):
+            raise Refused("malformed", f"{n} parts of {nbytes} bytes claimed, the model allows at most {max_bytes} bytes")
+        return nbytes, fields[2]
+
+    def fetch(self, keys: list[str], max_bytes: int) -> list[bytes | Refused]:
+        """Values written by ``put``, each checked against ``max_bytes`` before its parts are read and
+        against its MAC after: one ``multi_get`` of the heads, one of every part."""
+        heads: dict[str, tuple[int, str] | Refused] = {}
+        for key, raw in zip(keys, self.get_many(keys), strict=True):
+            try:
+                heads[key] = self.head(key, raw, max_bytes)
+            except Refused as e:
+                heads[key] = e
+        wanted = [(k, i) for k, h in heads.items() if not isinstance(h, Refused) for i in range(parts(h[0]))]
+        values = dict(zip(wanted, self.get_many([f"{k}/{i}" for k, i in wanted]), strict=True))
+        out: list[bytes | Refused] = []
+        for key in keys:
+            h = heads[key]
+            if isinstance(h, Refused):
+                out.append(h)
+                continue
+            payload = b"".join(values[(key, i)] for i in range(parts(h[0])))
+            try:
+                if len(payload) != h[0]:
+                    raise Refused("malformed", f"its parts hold {len(payload)} bytes, its head says {h[0]}")
+                self.signer.check_mac(key, payload, h[1])
+                out.append(payload)
+            except Refused as e:
+                out.append(e)
         return out
-
-    def wait_key(self, key: str, timeout_s: float, what: str) -> None:
-        """Until ``key`` exists; OuterSyncError naming ``what`` after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while not self.store.check([key]):
-            if time.monotonic() > deadline:
-                raise OuterSyncError(f"DiLoCo: {what} did not appear in the store within {timeout_s:g} s (key {key})")
-            time.sleep(POLL_S)
 
     def wait_all(self, keys: list[str], timeout_s: float) -> bool:
         """Until every key exists (True) or ``timeout_s`` passed (False). A TCPStore waits on its
@@ -123,8 +163,9 @@ class KV:
             return
         for key in chunked:
             if self.store.check([key]):
-                for i in range(int(self.store.get(key))):
-                    delete(f"{key}/{i}")
+                with contextlib.suppress(Refused):  # not ours: its parts are not counted on
+                    for i in range(parts(self.head(key, self.store.get(key), MAX_VALUE_BYTES)[0])):
+                        delete(f"{key}/{i}")
                 delete(key)
         for key in plain:
             delete(key)

@@ -5,8 +5,9 @@ each region's steps lost and rounds missed come from these files).
 
 Steps lost are inner steps whose work never reached the outer parameters: steps a restarted region
 redoes after its checkpoint, the steps since its last round when it rejoins from a newer published
-state (its own parameters are replaced), and the steps of a round it missed (it adopts the round's
-result instead of its own).
+state (its own parameters are replaced), the steps of a round it missed (it adopts the round's
+result instead of its own), and the steps of a round that left its pseudo-gradient out (non-finite
+or malformed: it takes the others' result).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from geoshard.errors import ConfigError
 from geoshard.trainer.config import TrainConfig, parse_host_port
 from geoshard.trainer.context import RankContext
+from geoshard.trainer.diloco.auth import read_secret
 from geoshard.trainer.diloco.kv import connect_store
 from geoshard.trainer.diloco.rank import DiLoCo
 from geoshard.trainer.diloco.record import RoundRecord, append, rounds_path
@@ -48,10 +50,14 @@ class OuterLoop:
     def __init__(self, cfg: TrainConfig, ctx: RankContext, model: nn.Module) -> None:
         if not cfg.outer_store or not cfg.outer_regions:
             raise ConfigError("--sync diloco needs --outer-store and --outer-regions (geoshard train --regions sets both)")
+        if not cfg.outer_secret_file:
+            raise ConfigError("--outer-store needs --outer-secret-file (or GEOSHARD_OUTER_SECRET_FILE): the job's secret")
         group = dist.group.WORLD if ctx.group_size > 1 else None
         self.region = ctx.region
         self.leader = ctx.group_rank == 0
-        self.diloco = DiLoCo(model, outer_settings(cfg), ctx.region, [r.region for r in cfg.job_regions], group=group)
+        regions = [r.region for r in cfg.job_regions]
+        secret = read_secret(cfg.outer_secret_file)
+        self.diloco = DiLoCo(model, outer_settings(cfg), ctx.region, regions, group=group, secret=secret)
         host, port = parse_host_port(cfg.outer_store, "--outer-store")
         self.store = connect_store(host, port, timeout_s=cfg.outer_timeout) if self.leader else None
         self.path = rounds_path(cfg.out, ctx.region)
@@ -70,7 +76,9 @@ class OuterLoop:
             # round, which its checkpoint held, are gone.
             lost += step - int(resumed.get("last_round_step", step))
         self.last_round_step = step
-        self._write(RoundRecord(rec.round, step, bytes_read=rec.bytes_read, event="join", created=rec.created, steps_lost=lost))
+        self._write(
+            RoundRecord(rec.round, step, bytes_read=rec.bytes_read, event="join", created=rec.created, steps_lost=lost, refused=rec.refused)
+        )
 
     def after_step(self, step: int) -> None:
         self._record(self.diloco.maybe_sync(step))
@@ -82,7 +90,8 @@ class OuterLoop:
     def _record(self, rec: RoundRecord | None) -> None:
         if rec is None:
             return
-        lost = rec.step - self.last_round_step if rec.adopted else 0
+        # Adopted, or its own pseudo-gradient left out: this region's steps since its last round never reached the outer parameters.
+        lost = rec.step - self.last_round_step if rec.adopted or self.region in dict(rec.left_out) else 0
         self.last_round_step = rec.step
         self._write(dataclasses.replace(rec, steps_lost=lost))
 

@@ -16,9 +16,11 @@ import torch.distributed as dist
 from torch import nn
 
 from geoshard.errors import ConfigError
+from geoshard.trainer.diloco.auth import Refused, Signer
+from geoshard.trainer.diloco.checks import Bounds
 from geoshard.trainer.diloco.exchange import Exchange, Pending
 from geoshard.trainer.diloco.kv import KV, OuterSyncError, Store
-from geoshard.trainer.diloco.optimizer import OuterOptimizer, latest
+from geoshard.trainer.diloco.optimizer import OuterOptimizer, latest, wait_latest
 from geoshard.trainer.diloco.record import JoinRecord, RoundRecord
 from geoshard.trainer.diloco.settings import OuterSync, encode
 
@@ -28,11 +30,20 @@ log = logging.getLogger(__name__)
 class DiLoCo:
     """``join(store)`` first (collective in the region), then ``maybe_sync(step)`` after every inner
     optimizer step: every ``outer_steps`` steps it runs a round and returns its ``RoundRecord``.
-    ``group`` is the region's own process group (``None`` for a one-rank region).
+    ``group`` is the region's own process group (``None`` for a one-rank region); ``secret`` is the
+    job's (``auth``): every value in the store is signed with it, and one that is not is refused.
     """
 
     def __init__(
-        self, model: nn.Module, sync: OuterSync, region: str, regions: Sequence[str], group: Any = None, prefix: str = "diloco"
+        self,
+        model: nn.Module,
+        sync: OuterSync,
+        region: str,
+        regions: Sequence[str],
+        group: Any = None,
+        prefix: str = "diloco",
+        *,
+        secret: bytes,
     ) -> None:
         bad = [g for g in regions if not g or "," in g or "/" in g]
         if bad or len(set(regions)) != len(regions):
@@ -49,7 +60,8 @@ class DiLoCo:
         self.is_leader = group is None or dist.get_rank(group) == 0
         self.round = 0  # the next round this region takes part in
         self.store: Store | None = None
-        self._opt = OuterOptimizer(sync)
+        self._signer = Signer(secret)
+        self._opt = OuterOptimizer(sync, Bounds(sum(p.numel() for p in self.params), sync.compression))
         self._exchange: Exchange | None = None  # the leader's, from join on
         self._pending: Pending | None = None  # the round in flight (overlap_steps > 0)
         self._step = 0  # the last inner step maybe_sync saw
@@ -103,10 +115,16 @@ class DiLoCo:
         }
 
     def _check_contract(self, kv: KV) -> None:
-        value = kv.get_if(kv.key("config"))
-        if value is None:
+        value = kv.get(kv.key("config"))
+        if value is None:  # refused (counted): the outer state's own checks still hold
             return
-        theirs = json.loads(value)
+        try:
+            theirs = json.loads(value)
+        except ValueError:
+            theirs = None
+        if not isinstance(theirs, dict):
+            kv.signer.refuse(kv.key("config"), Refused("malformed", "not a JSON object"), value)
+            return
         ours = self._contract()
         diff = [f"{k} {ours[k]} (the job has {theirs.get(k)})" for k in ours if theirs.get(k) != ours[k]]
         if diff:
@@ -129,27 +147,36 @@ class DiLoCo:
     def _join_store(self, store: Store) -> JoinRecord:
         """The leader's part of ``join``."""
         self.store = store
-        kv = KV(store, self.prefix)
+        kv = KV(store, self.prefix, self._signer)
         ex = self._exchange = Exchange(kv, self.sync, self.region, self.regions, self._opt, self.params[0].device)
         newest = latest(kv)
         if newest is None and self.region == self.regions[0] and store.add(kv.key("created"), 1) == 1:
             self._opt.reset(self._flat(), None)
-            store.set(kv.key("config"), json.dumps(self._contract()))
+            kv.set(kv.key("config"), json.dumps(self._contract()))
             ex.roster.start()
             self._opt.publish(kv, 0, 0)
             rec = JoinRecord(0, 0, True, 0)
         else:
             if newest is None:
-                kv.wait_key(kv.key("latest"), self.sync.join_timeout_s, "the job's first outer state")
-                newest = latest(kv)
-                assert newest is not None
+                newest = wait_latest(kv, 0, self.sync.join_timeout_s)
             self._check_contract(kv)
-            r, step, nbytes = self._opt.adopt_latest(kv, newest, self.params[0].device)
-            rec = JoinRecord(r, step, False, nbytes)
+            got = self._opt.adopt_latest(kv, newest, self.params[0].device)
+            if isinstance(got, Refused):
+                self._opt.reset(self._flat(), None)
+                log.warning(
+                    "DiLoCo: region %s refused the published outer state of round %d (%s: %s); it keeps its own parameters",
+                    self.region,
+                    newest,
+                    got.kind,
+                    got.reason,
+                )
+                rec = JoinRecord(newest, 0, False, 0)
+            else:
+                rec = JoinRecord(*got[:2], False, got[2])
         self._load_flat(self.outer)
         # The others wait for this region from the round after the one it starts from.
         ex.roster.announce(self.region, rec.round + 1)
-        return rec
+        return dataclasses.replace(rec, refused=ex.refused())
 
     # -- the outer round ------------------------------------------------------------------------
     def maybe_sync(self, step: int) -> RoundRecord | None:

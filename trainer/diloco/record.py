@@ -44,12 +44,20 @@ class RoundRecord:
     job: str | None = None  # one launch of the job: round numbers start again when a whole job is resumed
     steps_lost: int = 0  # inner steps whose work never reached the outer parameters
     created: bool = False  # a join: this region published round 0 (a fresh job)
+    # Written only when there are any (lines stay as they were otherwise):
+    refused: int = 0  # values this leader refused from the store (unsigned, malformed, non-finite) since its last line
+    left_out: tuple[tuple[str, str], ...] = ()  # (region, why): members whose pseudo-gradient the round left out
     version: int = VERSION
 
     def to_dict(self) -> dict[str, Any]:
         body = {k: getattr(self, k) for k in (_JOIN_KEYS if self.event == "join" else _ROUND_KEYS)}
         body = {k: list(v) if isinstance(v, tuple) else v for k, v in body.items()}
-        return {"version": self.version, "region": self.region, "job": self.job, "event": self.event, **body, "steps_lost": self.steps_lost}
+        doc = {"version": self.version, "region": self.region, "job": self.job, "event": self.event, **body, "steps_lost": self.steps_lost}
+        if self.refused:
+            doc["refused"] = self.refused
+        if self.left_out:
+            doc["left_out"] = dict(self.left_out)
+        return doc
 
     @classmethod
     def from_dict(cls, doc: Any) -> RoundRecord:
@@ -80,6 +88,8 @@ class RoundRecord:
             job=None if job is None else str(job),
             steps_lost=doc.get("steps_lost", 0),
             created=bool(doc.get("created")),
+            refused=_count(doc, "refused"),
+            left_out=_left_out(doc.get("left_out")),
             version=version,
         )
 
@@ -92,6 +102,7 @@ class JoinRecord:
     step: int  # the inner step count of the region that published it
     created: bool  # this region published round 0 (a fresh job)
     bytes_read: int
+    refused: int = 0  # values refused from the store while joining
 
 
 def _float(value: Any) -> float:
@@ -106,6 +117,14 @@ def _count(doc: dict[str, Any], key: str) -> int:
         return int(doc.get(key, 0))
     except (TypeError, ValueError):
         raise ValueError(f"{key} must be an integer, got {doc.get(key)!r}") from None
+
+
+def _left_out(value: Any) -> tuple[tuple[str, str], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ValueError(f"left_out must map regions to reasons, got {value!r}")
+    return tuple((str(k), str(v)) for k, v in value.items())
 
 
 def rounds_path(out: Path, region: str) -> Path:

@@ -7,7 +7,9 @@
 - ``outer`` (``--sync diloco``): from each region leader's ``rounds-<region>.jsonl``
   (``diloco/loop.py``, read by ``diloco/record.py``): per outer round, which regions took part, the
   slowest region's sync time and the bytes the leaders moved through the outer store; per region,
-  rounds taken part in, rounds missed (closed without it while it was still training) and steps lost.
+  rounds taken part in, rounds missed (closed without it while it was still training) and steps lost;
+  the values each region's leader refused from the store (``refused``: unsigned, malformed or
+  non-finite) and each pseudo-gradient a round left out, with why (``left_out``).
 """
 
 from __future__ import annotations
@@ -41,9 +43,15 @@ def outer_section(run_dir: str | Path) -> dict[str, Any] | None:
         return None
     rounds: dict[tuple[str, int], dict[str, Any]] = {}
     regions: dict[str, dict[str, Any]] = {}
+    refused: dict[str, int] = {}
+    left_out: dict[tuple[str, int, str], str] = {}
     for rec in records:
         g = regions.setdefault(rec.region, _region_row())
         g["steps_lost"] += rec.steps_lost
+        if rec.refused:
+            refused[rec.region] = refused.get(rec.region, 0) + rec.refused
+        for name, why in rec.left_out:  # every member's leader names it: once per round
+            left_out.setdefault((str(rec.job), rec.round, name), why)
         if rec.event == "join":
             g["joins"] += 1
             continue
@@ -74,4 +82,6 @@ def outer_section(run_dir: str | Path) -> dict[str, Any] | None:
         "sync_s_mean": round(sum(syncs) / len(syncs), 6) if syncs else 0.0,
         "sync_s_max": max(syncs, default=0.0),
         "bytes": sum(r["bytes"] for r in table),
+        "refused": dict(sorted(refused.items())),
+        "left_out": [{"round": r, "region": g, "reason": why} for (_, r, g), why in sorted(left_out.items())],
     }

@@ -4,16 +4,20 @@ Each region's entry in the store: ``R`` (expected from round R on), ``-1`` (wait
 expected again once it announces itself with a round number), ``left`` (finished its steps: no
 longer waited for, nor counted missing). The first leader done waiting closes a round: an atomic
 ``add`` picks that one closer, which writes the round's members, so every leader averages over the
-same set.
+same set. The closer marks a region it waited for in vain with a compare-and-set, so that a region
+that left meanwhile stays ``left``. Every entry is signed (``auth``); one that is refused counts as
+``-1``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from geoshard.trainer.diloco.auth import Refused
 from geoshard.trainer.diloco.kv import KV
 
 LEFT = "left"
+LOST = "-1"
 
 
 class Roster:
@@ -32,42 +36,65 @@ class Roster:
         round 0 (the first region's parameters) has them all."""
         for g in self.regions:
             self.announce(g, 1)
-        self.kv.store.set(self.members_key(0), ",".join(self.regions))
+        self.kv.set(self.members_key(0), ",".join(self.regions))
 
     def announce(self, region: str, from_round: int) -> None:
         """``region`` takes part from round ``from_round`` on."""
-        self.kv.store.set(self._key(region), str(from_round))
+        self.kv.set(self._key(region), str(from_round))
 
     def leave(self, region: str) -> None:
-        self.kv.store.set(self._key(region), LEFT)
+        self.kv.set(self._key(region), LEFT)
 
     def read(self) -> tuple[dict[str, str], int]:
-        """Every region's entry and the newest published round, in one round trip."""
+        """Every region's entry and the newest published round (-1 when refused), in one round trip."""
         keys = [self._key(g) for g in self.regions] + [self.kv.key("latest")]
-        values = [v.decode() for v in self.kv.get_many(keys)]
-        return dict(zip(self.regions, values[:-1], strict=True)), int(values[-1])
+        values = [(v or LOST.encode()).decode("ascii", errors="replace") for v in self.kv.open_many(keys)]
+        newest = values[-1]
+        return dict(zip(self.regions, values[:-1], strict=True)), int(newest) if newest.isdigit() else -1
+
+    def entries(self, regions: Sequence[str]) -> dict[str, str]:
+        """The entries of ``regions`` now."""
+        values = self.kv.open_many([self._key(g) for g in regions])
+        return {g: (v or LOST.encode()).decode("ascii", errors="replace") for g, v in zip(regions, values, strict=True)}
 
     @staticmethod
     def expected(entries: dict[str, str], r: int) -> list[str]:
         """The regions round ``r`` waits for."""
-        return [g for g, v in entries.items() if v.lstrip("-").isdigit() and 0 <= int(v) <= r]
+        return [g for g, v in entries.items() if v.isdigit() and int(v) <= r]
 
     @staticmethod
     def gone(entries: dict[str, str]) -> set[str]:
         return {g for g, v in entries.items() if v == LEFT}
 
-    def close(self, r: int, expected: Sequence[str], present: Callable[[str], bool]) -> tuple[str, ...]:
+    def close(self, r: int, expected: Sequence[str], present: Callable[[str], bool], entries: dict[str, str]) -> tuple[str, ...]:
         """On the closer: the expected regions ``present`` now are the round's members; the others
-        are not waited for again until they announce themselves."""
+        are not waited for again until they announce themselves (unless they left meanwhile)."""
         members = tuple(g for g in self.regions if g in expected and present(g))
         for g in expected:
             if g not in members:  # lost, or too slow
-                self.kv.store.set(self._key(g), "-1")
-        self.kv.store.set(self.members_key(r), ",".join(members))  # last: a late region re-announces only after this
+                self._mark_lost(g, entries[g])
+        self.kv.set(self.members_key(r), ",".join(members))  # last: a late region re-announces only after this
         return members
 
+    def _mark_lost(self, region: str, seen: str) -> None:
+        key = self._key(region)
+        compare_set = getattr(self.kv.store, "compare_set", None)
+        if compare_set is None:
+            self.kv.set(key, LOST)
+            return
+        # Only over the entry the closer read: a region that left (or announced itself) since keeps its word.
+        old, new = self.kv.signer.sign(key, seen.encode()), self.kv.signer.sign(key, LOST.encode())
+        compare_set(key, old.decode(), new.decode())
+
     def members(self, r: int, *, closed: bool = False) -> tuple[str, ...] | None:
-        """Round ``r``'s members; None while it is open. ``closed``: the caller saw it closed (one round trip fewer)."""
+        """Round ``r``'s members; None while it is open (or when its value is refused). ``closed``:
+        the caller saw it closed (one round trip fewer)."""
         key = self.members_key(r)
-        value = self.kv.store.get(key) if closed else self.kv.get_if(key)
-        return None if value is None else tuple(value.decode().split(","))
+        value = self.kv.opened(key, self.kv.store.get(key)) if closed else self.kv.get(key)
+        if value is None:
+            return None
+        names = tuple(g for g in value.decode("ascii", errors="replace").split(",") if g)
+        if not set(names) <= set(self.regions):
+            self.kv.signer.refuse(key, Refused("malformed", f"members {','.join(names)[:80]!r} are not the job's regions"), value)
+            return None
+        return names
