@@ -35,6 +35,7 @@ from geoshard.loaders.handoff import Consumption, EpochStart, WorkerFailure
 from geoshard.loaders.pieces import ChunkMap, RankPieces, rank_pieces
 from geoshard.loaders.reader import PieceFetcher, WorkerReader
 from geoshard.loaders.share import find_share, resolve_region
+from geoshard.loaders.sharedepoch import SharedEpoch
 from geoshard.loaders.stats import LoaderStats
 from geoshard.loaders.topology import Topology
 from geoshard.manifest import RegionManifest
@@ -102,7 +103,7 @@ class RegionalDataset(IterableDataset[Any]):
         self.settings = settings or ChainSettings()
         if allow_cross_region is not None:
             self.settings = dataclasses.replace(self.settings, allow_cross_region=allow_cross_region)
-        self.epoch = 0
+        self._epoch = SharedEpoch()  # read by DataLoader workers at each iteration's start (persistent ones too)
         self._chain: TierChain | None = None
         self._inherited_cooldowns: dict[str, float] = {}
         self.manifest = manifest or self.chain().read_manifest()
@@ -143,6 +144,14 @@ class RegionalDataset(IterableDataset[Any]):
         return state
 
     # -- epochs, length, state ----------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self._epoch.value
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self._epoch.value = epoch
+
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 

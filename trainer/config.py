@@ -85,6 +85,8 @@ class TrainConfig:
     allow_cross_region: bool | None = None  # None: the plan's [egress] cross_region (off unless set)
     collective_timeout: int = 600  # seconds a collective may wait for a peer before the rank fails
     model: str = "mlp"  # the built-in MLP (WebDataset img/cls samples), or "none": any layout, data only
+    input_field: tuple[str, ...] = ("img",)  # fields (TFRecord features) the built-in model's input is made of
+    label_field: str = "cls"  # the field (feature) holding its integer label
     step_time: float = 0.0  # seconds of simulated compute per step (with model "none": the whole step)
     # --sync diloco (trainer/diloco/): each region trains alone; every outer_steps steps the regions
     # average their pseudo-gradients through the outer store and take an outer Nesterov SGD step.
@@ -151,6 +153,11 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
         if self.model not in MODELS:
             raise ConfigError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        for name in (*self.input_field, self.label_field):
+            if not name or name != name.strip() or name.startswith("__"):
+                raise ConfigError(f"--input-field and --label-field name a sample's field, such as jpg or cls; got {name!r}")
+        if not self.input_field or len(set(self.input_field)) != len(self.input_field):
+            raise ConfigError(f"--input-field must name one or more distinct fields, got {', '.join(self.input_field) or 'none'}")
         if not 0 <= self.step_time < 3600:
             raise ConfigError(f"--step-time must be at least 0 and under an hour, got {self.step_time}")
         if not self.lr > 0:
@@ -173,6 +180,8 @@ class TrainConfig:
             if isinstance(value, bool):
                 if value != f.default:
                     argv.append(flag if value else "--no-" + flag[2:])
+            elif isinstance(value, tuple):  # a repeatable option
+                argv += [x for v in value for x in (flag, str(v))]
             elif value is not None:
                 argv += [flag, str(value)]
         return argv

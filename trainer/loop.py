@@ -33,7 +33,7 @@ from geoshard.trainer.config import TrainConfig
 from geoshard.trainer.context import RankContext
 from geoshard.trainer.diloco.loop import OuterLoop
 from geoshard.trainer.metrics import Metrics
-from geoshard.trainer.model import Net, collate, count_collate, to_tensors
+from geoshard.trainer.model import ModelInput, Net, count_collate, to_tensors
 from geoshard.trainer.record import StepRecord, append_step
 from geoshard.trainer.runlog import RunLogs
 from geoshard.trainer.summary import LoaderSummary, RankSummary
@@ -148,7 +148,7 @@ def _train(cfg: TrainConfig, ctx: RankContext) -> RankSummary:
     logs = RunLogs(cfg.out, ctx.rank)
     redone = max(0, logs.last_step() - step) if cfg.resume else 0  # steps this segment does again
     outer = None
-    if sync == "diloco":
+    if sync == "diloco" and cfg.model != "none":  # no model: no pseudo-gradients, no outer rounds
         outer = OuterLoop(cfg, ctx, model)
         outer.join(step, resumed_outer, redone)  # the newest outer parameters replace the checkpoint's
     segment = logs.start_segment(step)
@@ -176,7 +176,7 @@ def _make_loader(cfg: TrainConfig, ctx: RankContext) -> RegionalLoader:
         topology=ctx.topology,
         batch_size=cfg.batch_size,
         num_workers=cfg.num_workers,
-        collate_fn=collate if cfg.model != "none" else count_collate,
+        collate_fn=ModelInput(cfg.input_field, cfg.label_field) if cfg.model != "none" else count_collate,
         seed=cfg.seed,
         prefetch=cfg.prefetch,
         shuffle_buffer=cfg.shuffle_buffer,
@@ -224,7 +224,13 @@ def _with_job(summary: RankSummary, cfg: TrainConfig, ctx: RankContext, loader: 
 
 def _announce(cfg: TrainConfig, ctx: RankContext, balance: Any, sync: str) -> None:
     """Rank 0 says once where the ranks are and what each epoch leaves out or repeats."""
-    if sync == "diloco":
+    if sync == "diloco" and cfg.model == "none":
+        print(
+            f"geoshard.trainer: {ctx.region}: {ctx.group_size} of the job's {ctx.world_size} rank(s); --model none: "
+            "no model, so no outer rounds between the regions (no pseudo-gradients to average)",
+            flush=True,
+        )
+    elif sync == "diloco":
         print(
             f"geoshard.trainer: {ctx.region}: {ctx.group_size} of the job's {ctx.world_size} rank(s); DDP in the region, "
             f"DiLoCo across {cfg.outer_regions} every {cfg.outer_steps} steps (outer lr {cfg.outer_lr:g}, "

@@ -119,7 +119,17 @@ _OPTIONS = [
         type=click.Choice(MODELS),
         default="mlp",
         show_default=True,
-        help="mlp: the built-in model (WebDataset img/cls samples); none: no model, your data's IO wait alone (any layout).",
+        help="mlp: the built-in model (--input-field, --label-field); none: no model, your data's IO wait alone (any layout).",
+    ),
+    click.option(
+        "--input-field",
+        multiple=True,
+        default=("img",),
+        show_default=True,
+        help="Field (TFRecord feature) the built-in model reads, bytes of any length; repeat for several.",
+    ),
+    click.option(
+        "--label-field", default="cls", show_default=True, help="Field (TFRecord feature) with the built-in model's integer label."
     ),
     click.option(
         "--step-time",

@@ -8,15 +8,16 @@ import re
 from collections.abc import Sequence
 
 from geoshard.env import read_environment
-from geoshard.errors import ConfigError
+from geoshard.errors import ConfigError, DataError
 from geoshard.formats import format_spec
 from geoshard.plan import Plan, load_plan
 from geoshard.plan.names import REGION_NAME
 from geoshard.trainer.config import TrainConfig
 from geoshard.trainer.published import check_published
 
-_RUN_FILE = re.compile(rf"^(steps-rank\d+\.jsonl|rank\d+\.json|rounds-{REGION_NAME.pattern}\.jsonl|report\.json)$")
-# What the built-in model reads from each sample (geoshard.trainer.model.collate).
+# run.json: a StepLog's claim on its folder (trainer/runclaim.py).
+_RUN_FILE = re.compile(rf"^(steps-rank\d+\.jsonl|rank\d+\.json|rounds-{REGION_NAME.pattern}\.jsonl|report\.json|run\.json)$")
+# What the built-in model reads from each sample by default (--input-field, --label-field).
 MODEL_FIELDS = ("img", "cls")
 
 
@@ -41,7 +42,7 @@ def preflight(
     check_published(plan, names, str(cfg.plan))  # a region never synced: one line, not a rank's NoSuchKey after torchrun
     if check_layout and cfg.model != "none":  # --model none reads any layout
         for name in names:
-            model_layout(plan, name)
+            model_layout(plan, name, cfg.input_field, cfg.label_field)
     return names
 
 
@@ -57,22 +58,39 @@ def node_region(region: str | None, plan: Plan) -> str:
     return found
 
 
-def model_layout(plan: Plan, region: str) -> None:
-    """The built-in model reads WebDataset samples with ``img`` and ``cls``: check the region's
-    manifest and its first sample (one shard fetched through the region's tier chain)."""
+def model_layout(plan: Plan, region: str, inputs: Sequence[str] = ("img",), label: str = "cls") -> None:
+    """The built-in model reads the ``inputs`` and ``label`` fields of WebDataset samples, or those
+    features of TFRecord records: check the region's first sample (one shard fetched through the
+    region's tier chain), label included."""
+    from geoshard.formats.example import ExampleError, parse_example
     from geoshard.loaders import RegionalDataset
+    from geoshard.trainer.model import ModelInput
 
     ds = RegionalDataset(plan, region=region, shuffle=False, prefetch=1, region_rank=0, region_size=1)
-    hint = "measure your own data with --model none --step-time 80ms, or train your model on geoshard.loaders (docs/cli.md)"
-    if not format_spec(ds.manifest.format).named_fields:
-        raise ConfigError(
-            f"region {region}: its shards are {ds.manifest.format}; the built-in model reads WebDataset samples "
-            f"with {' and '.join(MODEL_FIELDS)} fields; {hint}"
-        )
+    hint = (
+        "name yours with --input-field FIELD --label-field FIELD, measure your own data with --model none --step-time 80ms, "
+        "or train your model on geoshard.loaders (docs/cli.md)"
+    )
     sample = next(iter(ds), None)
     if sample is None:
         raise ConfigError(f"region {region}: its manifest lists no samples")
-    missing = [f for f in MODEL_FIELDS if f not in sample]
-    if missing:
-        fields = ", ".join(sorted(k for k in sample if not k.startswith("__")))
-        raise ConfigError(f"region {region}: its samples have {fields}; the built-in model needs {' and '.join(MODEL_FIELDS)}; {hint}")
+    named = format_spec(ds.manifest.format).named_fields
+    try:
+        fields = sample if named else parse_example(bytes(sample))
+    except ExampleError:
+        fields = {}
+    wanted = (*inputs, label)
+    have = ", ".join(sorted(k for k in fields if not k.startswith("__"))) or "none"
+    if any(f not in fields for f in wanted):
+        if not named and wanted == MODEL_FIELDS:  # the defaults: a TFRecord corpus needs its feature names
+            raise ConfigError(
+                f"region {region}: its shards are {ds.manifest.format}; the built-in model reads WebDataset samples with "
+                f"{' and '.join(MODEL_FIELDS)} fields, or the features --input-field and --label-field name (its records "
+                f"have {have}); {hint}"
+            )
+        kind = "samples have" if named else "records have features"
+        raise ConfigError(f"region {region}: its {kind} {have}; the built-in model needs {' and '.join(wanted)}; {hint}")
+    try:
+        ModelInput(tuple(inputs), label)([sample])
+    except DataError as e:
+        raise ConfigError(f"region {region}: {e}") from None
