@@ -28,6 +28,7 @@ from geoshard.loaders.balance import Remainder
 from geoshard.loaders.batching import StatsShipper, item_count, make_items
 from geoshard.loaders.chain import ChainSettings, TierChain, build_chain
 from geoshard.loaders.decode import DecodeSpec, collate, make_decoder, tensor_spec
+from geoshard.loaders.egress import EgressCounter
 from geoshard.loaders.epoch import Layout, per_rank
 from geoshard.loaders.fetchqueue import FetchQueue
 from geoshard.loaders.handoff import Consumption, EpochStart, WorkerFailure
@@ -104,6 +105,8 @@ class RegionalDataset(IterableDataset[Any]):
         self.epoch = 0
         self._chain: TierChain | None = None
         self._inherited_cooldowns: dict[str, float] = {}
+        # The rank's cross-region bytes, shared with the workers it forks: one budget for them all.
+        self.egress = EgressCounter()
         self.manifest = manifest or self.chain().read_manifest()
         self.decoder = make_decoder(decode, self.manifest.format)
         self.tensors = tensor_spec(decode, self.manifest.format, batch_size)
@@ -131,7 +134,7 @@ class RegionalDataset(IterableDataset[Any]):
     # -- process-local state ------------------------------------------------------------
     def chain(self) -> TierChain:
         if self._chain is None:
-            self._chain = build_chain(self.plan, self.region, self.settings, LoaderStats())
+            self._chain = build_chain(self.plan, self.region, self.settings, LoaderStats(), egress=self.egress)
             self._chain.note_cooldowns(self._inherited_cooldowns)
         return self._chain
 
