@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
+import multiprocessing
+import os
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from guaranteekit import Run, assert_one_line, geoshard
@@ -20,6 +24,10 @@ from test_loaders import EU, split
 
 from geoshard.errors import DataError, StorageError
 from geoshard.loaders import make_loader
+from geoshard.loaders.chain import ChainSettings, EgressBudgetExceeded, TierChain
+from geoshard.loaders.egress import EgressCounter
+from geoshard.loaders.local_tier import LocalTier
+from geoshard.manifest import ShardEntry
 
 US = "us-east-1"
 
@@ -111,3 +119,40 @@ def test_a_checkpoints_egress_count_is_checked(corpus: Path, count: object) -> N
         loader.load_state_dict({**state, "egress_bytes": count})
     loader.load_state_dict({**state, "egress_bytes": 123})
     assert loader.state_dict()["egress_bytes"] == 123
+
+
+def _reserve_until_refused(counter: EgressCounter, budget: int, got: Any) -> None:
+    while counter.reserve(10, budget) is not None:
+        with got.get_lock():
+            got.value += 1
+
+
+def test_workers_reserving_at_once_never_pass_the_budget() -> None:
+    ctx = multiprocessing.get_context("fork")  # as DataLoader's workers start here
+    counter, got = EgressCounter(5, ctx), ctx.Value("q", 0)
+    procs = [ctx.Process(target=_reserve_until_refused, args=(counter, 10_005, got)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0] * 4
+    assert (counter.used, got.value) == (10_005, 1000)  # every reservation granted is counted once, none past it
+    counter.release(10)
+    assert counter.used == 9_995
+
+
+def test_a_cross_region_read_that_fails_gives_its_bytes_back(tmp_path: Path) -> None:
+    data = os.urandom(1000)
+    entry = ShardEntry("00000-0000-x.tar", 1, len(data), hashlib.sha256(data).hexdigest())
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / entry.path).write_bytes(os.urandom(1000))
+    (tmp_path / "good").mkdir()
+    (tmp_path / "good" / entry.path).write_bytes(data)
+    far = [LocalTier(tmp_path / "empty", region="us-east-1"), LocalTier(tmp_path / "bad", region="ap-southeast-1")]
+    settings = ChainSettings(egress_budget=1000, writeback=False, verify="sha256")
+    chain = TierChain(EU, [*far, LocalTier(tmp_path / "good", region=US)], settings)
+    assert bytes(chain.fetch(entry)) == data  # a miss and a corrupt copy before it: their reservations went back
+    assert chain.egress.used == 1000 and chain.stats.snapshot().egress_total == 1000
+    with pytest.raises(EgressBudgetExceeded, match="would bring cross-region reads to 2,000 bytes, over the budget of 1,000"):
+        chain.fetch(entry)
+    assert chain.egress.used == 1000
