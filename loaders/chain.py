@@ -1,5 +1,6 @@
 """The tier chain of one reading region: Alluxio cache, local replica, the region's bucket, then
-(if allowed) other regions' buckets, counted as egress.
+(if allowed) other regions' buckets, counted as egress: each such read is reserved against the
+rank's egress budget before it starts (``egress.py``), and past the budget the loader stops.
 
 Every fetched shard is checked against the manifest (size and xxh3-128, or sha256 with
 ``verify="sha256"`` or where the manifest predates the fast hash); a mismatch is counted, the
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from geoshard.errors import ConfigError, DataError, StorageError
+from geoshard.loaders.egress import EgressCounter
 from geoshard.loaders.stats import LoaderStats
 from geoshard.loaders.tier import Progress, Tier, TierError, TierMissing, WritableTier, make_tier
 from geoshard.manifest import MANIFEST, RegionManifest, ShardEntry, parse_region_manifest
@@ -42,10 +44,9 @@ class ChainSettings:
     backoff: Backoff = field(default_factory=lambda: Backoff(attempts=2, base=0.2, cap=2.0))
     # Other regions' buckets: None takes the plan's [egress] (off unless cross_region = true).
     allow_cross_region: bool | None = None
-    # Bytes a rank may read from other regions' buckets; None takes the plan's egress.budget. The
-    # rank's loader workers each get an equal part (egress_shares: make_loader sets the count).
+    # Bytes a rank may read from other regions' buckets; None takes the plan's egress.budget. Held
+    # against the chain's EgressCounter: one per rank, shared by its loader workers (egress.py).
     egress_budget: int | None = None
-    egress_shares: int = 1
     writeback: bool = True
     local_limit_bytes: int | None = None  # cap on the local replica; least recently used shards go first
     # "xxh3" checks every fetched shard against its fast hash of record (sha256 where the manifest
@@ -66,7 +67,7 @@ class AllTiersFailed(StorageError):
 
 
 class EgressBudgetExceeded(StorageError):
-    """A cross-region read would take this loader past its egress budget: the loader stops."""
+    """A cross-region read would take this rank past its egress budget: the loader stops."""
 
 
 class TierChain:
@@ -78,11 +79,13 @@ class TierChain:
         stats: LoaderStats | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        egress: EgressCounter | None = None,
     ) -> None:
         self.region = region
         self.tiers = list(tiers)
         self.settings = settings or ChainSettings()
         self.stats = stats or LoaderStats()
+        self.egress = egress or EgressCounter()
         self._clock, self._sleep = clock, sleep
         self._down_until: dict[str, float] = {}
         self._warned: set[str] = set()
@@ -136,8 +139,13 @@ class TierChain:
                 continue
             remote = bool(tier.region and tier.region != self.region)
             if remote:
-                self._check_egress(tier, shard, nbytes)
-            data = attempt(tier, failures)
+                self._reserve_egress(tier, shard, nbytes)
+            data = None
+            try:
+                data = attempt(tier, failures)
+            finally:
+                if remote and data is None:  # not read (missing, failed, raised): the reservation goes back
+                    self.egress.release(nbytes)
             if data is None:
                 continue
             if remote:
@@ -257,17 +265,16 @@ class TierChain:
             pos = end
         return ""
 
-    def _check_egress(self, tier: Tier, shard: ShardEntry, nbytes: int) -> None:
-        if self.settings.egress_budget is None:
-            return
-        shares = max(1, self.settings.egress_shares)
-        budget = self.settings.egress_budget // shares
-        used = self.stats.snapshot().egress_total
-        if used + nbytes > budget:
-            of = f" (this loader worker's 1/{shares} of the rank's budget)" if shares > 1 else " per rank"
+    def _reserve_egress(self, tier: Tier, shard: ShardEntry, nbytes: int) -> None:
+        """Count ``nbytes`` from ``tier`` against the rank's budget before reading them; past it the
+        loader stops (EgressBudgetExceeded), nothing read."""
+        budget = self.settings.egress_budget
+        used = self.egress.reserve(nbytes, budget)
+        if used is None:
+            used = self.egress.used
             raise EgressBudgetExceeded(
                 f"egress budget: reading {shard.path} ({nbytes:,} bytes) from {tier.region}'s bucket into {self.region} "
-                f"would bring cross-region reads to {used + nbytes:,} bytes, over the budget of {budget:,} bytes{of} "
+                f"would bring cross-region reads to {used + nbytes:,} bytes, over the budget of {budget:,} bytes per rank "
                 f"(egress.budget in the plan); fill {self.region}'s own copies (geoshard sync, pull) or raise the budget"
             )
 
@@ -289,8 +296,15 @@ class TierChain:
         return data
 
 
-def build_chain(plan: Plan, region: str, settings: ChainSettings | None = None, stats: LoaderStats | None = None) -> TierChain:
-    """The chain for ``region`` from the plan: alluxio, local, its bucket, then other regions' buckets."""
+def build_chain(
+    plan: Plan,
+    region: str,
+    settings: ChainSettings | None = None,
+    stats: LoaderStats | None = None,
+    egress: EgressCounter | None = None,
+) -> TierChain:
+    """The chain for ``region`` from the plan: alluxio, local, its bucket, then other regions'
+    buckets; ``egress``: the rank's cross-region count, when several processes share it."""
     settings = settings or ChainSettings()
     r = plan.region(region)
     tiers: list[Tier] = []
@@ -329,4 +343,4 @@ def build_chain(plan: Plan, region: str, settings: ChainSettings | None = None, 
                     timeout_s=settings.timeout("s3"),
                 )
             )
-    return TierChain(region, tiers, settings, stats)
+    return TierChain(region, tiers, settings, stats, egress=egress)

@@ -28,6 +28,7 @@ from geoshard.loaders.balance import Remainder
 from geoshard.loaders.batching import StatsShipper, item_count, make_items
 from geoshard.loaders.chain import ChainSettings, TierChain, build_chain
 from geoshard.loaders.decode import DecodeSpec, collate, make_decoder, tensor_spec
+from geoshard.loaders.egress import EgressCounter
 from geoshard.loaders.elastic import epoch_per, own_state, resume_point
 from geoshard.loaders.epoch import Layout, per_rank
 from geoshard.loaders.fetchqueue import FetchQueue
@@ -106,6 +107,8 @@ class RegionalDataset(IterableDataset[Any]):
         self._epoch = SharedEpoch()  # read by DataLoader workers at each iteration's start (persistent ones too)
         self._chain: TierChain | None = None
         self._inherited_cooldowns: dict[str, float] = {}
+        # The rank's cross-region bytes, shared with the workers it forks: one budget for them all.
+        self.egress = EgressCounter()
         self.manifest = manifest or self.chain().read_manifest()
         self.decoder = make_decoder(decode, self.manifest.format)
         self.tensors = tensor_spec(decode, self.manifest.format, batch_size)
@@ -133,7 +136,7 @@ class RegionalDataset(IterableDataset[Any]):
     # -- process-local state ------------------------------------------------------------
     def chain(self) -> TierChain:
         if self._chain is None:
-            self._chain = build_chain(self.plan, self.region, self.settings, LoaderStats())
+            self._chain = build_chain(self.plan, self.region, self.settings, LoaderStats(), egress=self.egress)
             self._chain.note_cooldowns(self._inherited_cooldowns)
         return self._chain
 

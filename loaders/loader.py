@@ -7,7 +7,8 @@ The workers of an iteration share one fetch order (``fetchqueue.py``), made here
 Tiers a worker found failing stay cooled down for the workers of the next epoch, which fork from
 the training process. DataLoader hands out worker results round-robin, skipping exhausted
 workers; a resumed epoch rotates which logical worker each process plays so that the rest of the
-stream comes out in the original order.
+stream comes out in the original order. The loader state carries the rank's egress count
+(``egress.py``), so its budget holds across workers, epochs and resumes.
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ from geoshard.errors import ConfigError
 from geoshard.loaders.chain import ChainSettings
 from geoshard.loaders.dataset import RegionalDataset
 from geoshard.loaders.decode import PackedBatch, unpack
+from geoshard.loaders.egress import check_count
 from geoshard.loaders.handoff import EpochStart, WorkerFailure
 from geoshard.loaders.slots import SlotPool
 from geoshard.loaders.stats import StatsSnapshot, merge
 from geoshard.plan import Plan
+
+EGRESS_KEY = "egress_bytes"  # in the loader state: the rank's cross-region bytes so far
 
 
 def _as_is(item: Any) -> Any:
@@ -47,6 +51,8 @@ class RegionalLoader(DataLoader[Any]):
         # collate_fn: items pass as the workers made them (DataLoader would turn numpy arrays into
         # tensors, which cross processes through a shared-memory segment each: slow for small ones).
         super().__init__(dataset, batch_size=None, num_workers=num_workers, collate_fn=_as_is, **kwargs)
+        if kwargs.get("multiprocessing_context") is not None:  # the workers' own kind of shared memory
+            dataset.egress = dataset.egress.moved_to(self.multiprocessing_context)
         self.lookahead = lookahead  # batches before an epoch's end at which stream() starts the next one
         self._snapshots: dict[tuple[int, int], StatsSnapshot] = {}  # (iteration, worker) -> its latest counters
         self._iterations = 0
@@ -138,10 +144,15 @@ class RegionalLoader(DataLoader[Any]):
         self.dataset.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.dataset.state_dict()
+        """The dataset's position, and the bytes this rank read from other regions' buckets: a
+        resume continues the count, so the egress budget holds across it."""
+        return {**self.dataset.state_dict(), EGRESS_KEY: self.dataset.egress.used}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # A state saved before the count was kept has none: it continues from 0, as it did then.
+        used = check_count(state.get(EGRESS_KEY, 0), f"the loader state's {EGRESS_KEY} (a checkpoint's)")
         self.dataset.load_state_dict(state)
+        self.dataset.egress.restore(used)
 
     def stats(self) -> dict[str, Any]:
         """Tier counters of every worker so far, plus the epoch's remainder."""
@@ -167,8 +178,6 @@ def make_loader(
 ) -> RegionalLoader:
     """A DataLoader of batches of this rank's share of ``region``; see ``RegionalDataset`` for the rest."""
     settings = dataset_kwargs.pop("settings", None) or ChainSettings()
-    # Each worker process has its own chain and counters: the rank's egress budget is split among them.
-    settings = dataclasses.replace(settings, egress_shares=max(1, num_workers))
     ds = RegionalDataset(plan, region, batch_size=batch_size, collate_fn=collate_fn, settings=settings, **dataset_kwargs)
     return RegionalLoader(ds, num_workers=num_workers, lookahead=lookahead, pin_memory=pin_memory, timeout=timeout)
 
