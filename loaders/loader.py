@@ -27,6 +27,7 @@ from geoshard.loaders.chain import ChainSettings
 from geoshard.loaders.dataset import RegionalDataset
 from geoshard.loaders.decode import PackedBatch, unpack
 from geoshard.loaders.egress import check_count
+from geoshard.loaders.elastic import own_state
 from geoshard.loaders.handoff import EpochStart, WorkerFailure
 from geoshard.loaders.slots import SlotPool
 from geoshard.loaders.stats import StatsSnapshot, merge
@@ -150,7 +151,9 @@ class RegionalLoader(DataLoader[Any]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # A state saved before the count was kept has none: it continues from 0, as it did then.
-        used = check_count(state.get(EGRESS_KEY, 0), f"the loader state's {EGRESS_KEY} (a checkpoint's)")
+        # From region_states (a resume on any ranks), this rank's saved count (elastic.own_state).
+        own = own_state(state, self.dataset.rank) if "ranks" in state else state
+        used = check_count((own or {}).get(EGRESS_KEY, 0), f"the loader state's {EGRESS_KEY} (a checkpoint's)")
         self.dataset.load_state_dict(state)
         self.dataset.egress.restore(used)
 

@@ -1,8 +1,9 @@
 """Before launch: is each region the job reads published where its loader looks?
 
 A region that was never synced would otherwise cost torchrun's start and end in a rank's
-``NoSuchBucket`` or ``NoSuchKey``. The check asks the region's own tier chain (Alluxio, local
-replica, bucket) for its manifest, as the loader will, within the chain's bounded timeouts; only
+``NoSuchBucket`` or ``NoSuchKey``. The check asks the region's tier chain (Alluxio, local replica,
+bucket, and other regions' buckets where the plan's [egress] allows) for its manifest, as the
+loader will, within the chain's bounded timeouts; only
 when none has it and the bucket answers that the manifest or the bucket does not exist is the
 region refused. Any other failure (an endpoint down) is left to the ranks to report as before.
 """
@@ -25,21 +26,22 @@ def check_published(plan: Plan, regions: Sequence[str], plan_label: str) -> None
     missing = [plan.region(n) for n in regions if not _readable(plan, n)]
     if not missing:
         return
+    others = ", nor another region's bucket" if plan.egress.cross_region else ""
     where = ", ".join(_manifest_url(r) for r in missing)
     names = ", ".join(r.name for r in missing)
     flags = " ".join(f"--region {r.name}" for r in missing)
     what = f"region {names} is" if len(missing) == 1 else f"regions {names} are"
     raise ConfigError(
-        f"{what} not published: no {where}, and no local replica or Alluxio copy; "
+        f"{what} not published: no {where}, and no local replica or Alluxio copy{others}; "
         f"publish with: geoshard sync SPLIT_DIR --plan {plan_label} {flags}"
     )
 
 
 def _readable(plan: Plan, name: str) -> bool:
-    from geoshard.loaders.chain import AllTiersFailed, ChainSettings, build_chain
+    from geoshard.loaders.chain import AllTiersFailed, build_chain
 
     try:
-        build_chain(plan, name, ChainSettings(allow_cross_region=False)).read_manifest()
+        build_chain(plan, name).read_manifest()  # the loader's own chain: cross-region as the plan says
         return True
     except AllTiersFailed as e:
         log.debug("region %s: %s", name, e)
