@@ -19,6 +19,7 @@ from geoshard.errors import ConfigError
 from geoshard.loaders.stats import StatsSnapshot, merge
 from geoshard.trainer.diloco.report import outer_section, utilization
 from geoshard.trainer.record import StepRecord
+from geoshard.trainer.report_advice import advise
 from geoshard.trainer.rundir import (
     RankRun,
     after_first_batch,
@@ -88,7 +89,7 @@ def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> 
     loader["dropped_samples"] = _left_out_per_epoch(summaries)
     budgets = [s.egress_budget for s in summaries if s.egress_budget is not None]
     per_rank = [_merged(all_summaries([s])).egress_total for s in summaries]
-    return {
+    out = {
         "run_dir": run_dir,
         "io_wait_share": share,
         "io_wait_share_mean": _r(sum(r["io_wait_share"] for r in ranks) / len(ranks)),
@@ -124,6 +125,8 @@ def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> 
         "egress_budget_bytes": min(budgets) if budgets else None,
         "egress_bytes_max_rank": max(per_rank, default=0),
     }
+    out["advice"] = advise(out)  # per verdict not met: what to try (None when met)
+    return out
 
 
 def _regions(runs: Mapping[int, RankRun], ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -137,6 +140,7 @@ def _regions(runs: Mapping[int, RankRun], ranks: list[dict[str, Any]]) -> dict[s
         ttfb = [r["time_to_first_batch_s"] for r in members if r["time_to_first_batch_s"] is not None]
         tiers = _merged(all_summaries(summaries)).tiers
         first = summaries[0] if summaries else RankSummary(rank=-1)
+        loaders = [s.loader for s in summaries if s.loader is not None]
         out[name] = {
             "ranks": len(members),
             "global_ranks": [r["rank"] for r in members],
@@ -147,10 +151,15 @@ def _regions(runs: Mapping[int, RankRun], ranks: list[dict[str, Any]]) -> dict[s
             "samples": sum(r["samples"] for r in members),
             "region_samples": first.region_samples,
             "samples_per_epoch": first.samples_per_epoch,
-            "left_out_per_epoch": first.left_out_per_epoch,
-            "repeated_per_epoch": first.repeated_per_epoch,
+            # StepLog's summary has only the loader's figures (per epoch, over the region's ranks).
+            "left_out_per_epoch": _or_loader(first.left_out_per_epoch, [x.dropped_samples for x in loaders]),
+            "repeated_per_epoch": _or_loader(first.repeated_per_epoch, [x.padded_samples for x in loaders]),
         }
     return out
+
+
+def _or_loader(own: int | None, loader: list[int]) -> int | None:
+    return own if own is not None else max(loader, default=None)
 
 
 def _left_out_per_epoch(summaries: Iterable[RankSummary]) -> int:
@@ -180,6 +189,8 @@ def _cross_region(runs: Mapping[int, RankRun], loader: Mapping[str, Any]) -> dic
         "grad_sync_s_per_step": _r(sum(x.comm_s for x in records) / len(records)) if records else 0.0,
         "grad_sync_cross_s_per_step": _r(sum(x.comm_cross_s for x in leaders) / len(leaders)) if leaders else 0.0,
         "grad_sync_intra_s_per_step": _r(sum(x.comm_intra_s for x in records) / len(records)) if records else 0.0,
+        # StepLog (an own loop) cannot see DDP's all-reduce: its comm_s is 0 and its summary names no sync.
+        "grad_sync_measured": any(s.sync is not None for s in summaries) or any(x.comm_s > 0 for x in records),
     }
 
 
