@@ -10,13 +10,15 @@ cover all of them, so the breakdown adds up to the wall time of the whole run.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from geoshard.errors import ConfigError
+from geoshard.errors import ConfigError, GeoshardError
 from geoshard.loaders.stats import StatsSnapshot, merge
+from geoshard.trainer.diloco.record import read_rounds
 from geoshard.trainer.diloco.report import outer_section, utilization
 from geoshard.trainer.record import StepRecord
 from geoshard.trainer.report_advice import advise
@@ -31,6 +33,8 @@ from geoshard.trainer.rundir import (
 )
 from geoshard.trainer.summary import RankSummary
 from geoshard.util.fsutil import write_atomic
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BUDGET = 0.05
 REPORT_JSON = "report.json"
@@ -66,10 +70,33 @@ def write_report(run_dir: str | Path, report: Mapping[str, Any]) -> tuple[Path, 
         write_atomic(json_path, (json.dumps(report, indent=1, allow_nan=False) + "\n").encode())
         # The plot needs every step, which the report does not keep; read them again.
         steps = {rank: r.steps for rank, r in read_run(d).items()}
-        plot_steps(steps, png_path, budget=report.get("budget"), title=f"{d.name}: data wait and compute per step")
+        plot_steps(
+            steps,
+            png_path,
+            budget=report.get("budget"),
+            title=f"{d.name}: data wait, compute and gradient sync per step, per region",
+            regions={x["rank"]: x["region"] for x in report.get("ranks", ())},
+            rounds=read_rounds(d),
+            latency_ms=wan_latency(d),
+        )
     except OSError as e:
         raise ConfigError(f"{d}: cannot write the report there ({e.strerror}); copy the run directory somewhere writable") from e
     return json_path, png_path
+
+
+def wan_latency(run_dir: Path) -> dict[tuple[str, str], float] | None:
+    """One-way latency per region pair of the matrix a run under the WAN rehearsal ran under
+    (RUN_DIR/wan.json names it); None for a run without it, or when the matrix is gone."""
+    from geoshard.wan.matrix import load_matrix
+
+    try:
+        matrix = load_matrix(json.loads((run_dir / "wan.json").read_text())["matrix"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, GeoshardError) as e:
+        log.warning("%s: no latency heatmap in the plot (%s)", run_dir / "wan.json", e)
+        return None
+    return {(link.a, link.b): link.latency_ms for link in matrix.links}
 
 
 def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> dict[str, Any]:
