@@ -46,21 +46,9 @@ class Panel:
     rounds: tuple[int, ...] = ()
 
 
-def plot_steps(
-    steps_by_rank: Mapping[int, Sequence[StepRecord]],
-    path: str | Path,
-    *,
-    budget: float | None = None,
-    title: str | None = None,
-    regions: Mapping[int, str | None] | None = None,
-    rounds: Sequence[RoundRecord] = (),
-    latency_ms: Mapping[tuple[str, str], float] | None = None,
-    max_panels: int = MAX_PANELS,
-) -> Path:
-    """Write ``steps_figure``'s PNG to ``path`` (atomically)."""
-    fig = steps_figure(
-        steps_by_rank, budget=budget, title=title, regions=regions, rounds=rounds, latency_ms=latency_ms, max_panels=max_panels
-    )
+def plot_steps(steps_by_rank: Mapping[int, Sequence[StepRecord]], path: str | Path, **options: Any) -> Path:
+    """Write the PNG of ``steps_figure(steps_by_rank, **options)`` to ``path`` (atomically)."""
+    fig = steps_figure(steps_by_rank, **options)
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     out = Path(path)
