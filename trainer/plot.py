@@ -113,7 +113,7 @@ def group_panels(
         members.setdefault(region or f"rank {rank}", []).append(rank)
     marks: dict[str, set[int]] = {}
     for rec in rounds:
-        if rec.event == "round" and not rec.adopted:
+        if rec.event == "round":  # adopted or not: where the region's training met the round
             marks.setdefault(rec.region, set()).add(rec.step)
     return [
         Panel(name, tuple(ranks), tuple(r for rank in ranks for r in steps_by_rank[rank]), tuple(sorted(marks.get(name, ()))))
