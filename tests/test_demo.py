@@ -93,3 +93,41 @@ def test_demo_runs_the_main_job_across_three_regions_and_stops_everything(tmp_pa
     assert _processes_mentioning(str(out / "s3")) == [], "the S3 server is stopped"
     assert _processes_mentioning(str(out / "plan")) == [], "no rank is left"
     assert _namespaces_of(proc.pid) == [], "the rehearsal's namespaces are removed"
+
+
+def test_side_by_side_lines_and_the_diloco_run_next_to_the_ddp_one(tmp_path: Path) -> None:
+    from geoshard.local.demo import DemoResult, diloco_config, side_by_side
+    from geoshard.trainer.config import TrainConfig
+
+    ddp = TrainConfig(plan=tmp_path / "plan.toml", out=tmp_path / "run", steps=40)
+    diloco = diloco_config(ddp)
+    assert (diloco.out, diloco.sync, diloco.outer_steps, diloco.outer_overlap, diloco.steps) == (
+        tmp_path / "run-diloco",
+        "diloco",
+        20,
+        10,
+        40,
+    )
+
+    def report(utilization: float, wall: float) -> dict:
+        return {
+            "steps": 40,
+            "samples": 15_360,
+            "world_size": 3,
+            "utilization": {"share": utilization},
+            "breakdown": {"wall": {"seconds": wall}},
+        }
+
+    for run, crossed in ((ddp.out, 44_700_000), (diloco.out, 5_400_000)):
+        run.mkdir()
+        (run / "wan.json").write_text(
+            json.dumps({"links": [{"from": "a", "to": "b", "bytes": crossed - 1}, {"from": "b", "to": "a", "bytes": 1}]})
+        )
+    result = DemoResult(plan=None, split=None, report=report(0.439, 258.2), run_dir=ddp.out)  # type: ignore[arg-type]
+    assert side_by_side(result) == []  # on loopback: one run, nothing to set beside it
+    result.diloco, result.diloco_run_dir, result.outer_steps = report(0.567, 52.9), diloco.out, (20, 10)
+    assert side_by_side(result) == [
+        "the same corpus and 40 steps, two ways across the WAN rehearsal:",
+        f"  hierarchical DDP           15,360 samples  compute utilization  43.9%  step  2152 ms  across regions   44.7 MB  ({ddp.out})",
+        f"  DiLoCo, H=20, overlap 10   15,360 samples  compute utilization  56.7%  step   441 ms  across regions    5.4 MB  ({diloco.out})",
+    ]
