@@ -406,3 +406,75 @@ def test_dashboard_queries_only_metrics_we_define() -> None:
     defaults = io_wait["fieldConfig"]["defaults"]
     assert defaults["unit"] == "percentunit" and defaults["custom"]["thresholdsStyle"]["mode"] == "line"
     assert 0.05 in [s["value"] for s in defaults["thresholds"]["steps"]]
+
+
+# --- the picture: a panel per region, the WAN's latencies -------------------------------------------
+
+
+def wan_run(run: Path) -> Path:
+    """Three ranks in two regions under a WAN matrix: gradient sync in compute, DiLoCo-like outer rounds in eu-west-1."""
+    from geoshard.trainer.diloco.record import RoundRecord, append, rounds_path
+
+    run.mkdir(parents=True)
+    for rank, region in enumerate(("us-east-1", "us-east-1", "eu-west-1")):
+        records = [
+            StepRecord(i, rank, 0.3 * (i + 1), 0.01, 0.25, 0.3, comm_s=0.2, outer_sync_s=0.04 if i % 5 == 4 else 0.0, region=region)
+            for i in range(10)
+        ]
+        write_steps(run / f"steps-rank{rank}.jsonl", records)
+        write_summary(run, RankSummary(rank=rank, world_size=3, region=region, wall_s=3.0, steps=10, sync="hierarchical"))
+    for step in (5, 10):
+        append(rounds_path(run, "eu-west-1"), RoundRecord(round=step // 5, step=step, regions=("eu-west-1",), region="eu-west-1"))
+    matrix = run.parent / "wan.toml"
+    matrix.write_text('[[link]]\na = "us-east-1"\nb = "eu-west-1"\nlatency_ms = 38\n')
+    (run / "wan.json").write_text(json.dumps({"matrix": str(matrix), "links": []}))
+    return run
+
+
+def legend_labels(ax: Any) -> list[str]:
+    legend = ax.get_legend()
+    return [t.get_text() for t in legend.get_texts()] if legend else []
+
+
+def test_plot_has_a_panel_per_region_with_sync_apart_and_the_latency_heatmap(tmp_path: Path) -> None:
+    from geoshard.trainer.diloco.record import read_rounds
+    from geoshard.trainer.plot import steps_figure
+    from geoshard.trainer.report import wan_latency
+    from geoshard.trainer.rundir import read_run
+
+    run = wan_run(tmp_path / "run")
+    steps = {rank: r.steps for rank, r in read_run(run).items()}
+    latency = wan_latency(run)
+    assert latency == {("us-east-1", "eu-west-1"): 38.0}
+    fig = steps_figure(
+        steps, budget=0.05, regions={0: "us-east-1", 1: "us-east-1", 2: "eu-west-1"}, rounds=read_rounds(run), latency_ms=latency
+    )
+    axes = [ax for ax in fig.axes if ax.get_title(loc="left")]
+    titles = [ax.get_title(loc="left") for ax in axes]
+    assert titles == [
+        "us-east-1: ranks 0, 1, 10 steps (means over its ranks)",
+        "eu-west-1: rank 2, 10 steps",
+        "WAN rehearsal: one-way latency between regions (ms)",
+    ]
+    us, eu, heat = axes
+    series = ["data wait", "compute", "gradient sync", "outer rounds (DiLoCo)"]
+    assert legend_labels(us) == [*series, "data-wait share", "budget 5%"]
+    assert legend_labels(eu) == ["outer round", *series, "data-wait share", "budget 5%"]
+    # The bars stack to each step: compute without the sync, the sync and the outer round apart.
+    heights = {c.get_label(): [round(b.get_height(), 6) for b in c] for c in us.containers}
+    assert heights["compute"][0] == 0.05 and heights["gradient sync"][0] == 0.2 and heights["outer rounds (DiLoCo)"][4] == 0.04
+    assert [line.get_xdata()[0] for line in eu.get_lines() if line.get_linestyle() == ":"] == [5, 10]
+    assert [t.get_text() for t in heat.get_xticklabels()] == ["us-east-1", "eu-west-1"]
+    assert sorted(t.get_text() for t in heat.texts) == ["-", "-", "38 ms", "38 ms"]
+    # A run without DiLoCo, gradient sync or WAN keeps its picture to data wait and compute.
+    plain = make_run(tmp_path / "plain", comm=0.0)
+    fig = steps_figure({rank: r.steps for rank, r in read_run(plain).items()}, regions={0: "eu-west-1", 1: "eu-west-1"})
+    assert [legend_labels(ax) for ax in fig.axes if ax.get_legend()] == [["data wait", "compute", "data-wait share"]]
+    assert wan_latency(plain) is None
+
+
+def test_write_report_draws_the_wan_run(tmp_path: Path) -> None:
+    run = wan_run(tmp_path / "run")
+    _, png = write_report(run, build_report(run))
+    data = png.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 1000

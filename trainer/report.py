@@ -10,15 +10,18 @@ cover all of them, so the breakdown adds up to the wall time of the whole run.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from geoshard.errors import ConfigError
+from geoshard.errors import ConfigError, GeoshardError
 from geoshard.loaders.stats import StatsSnapshot, merge
+from geoshard.trainer.diloco.record import read_rounds
 from geoshard.trainer.diloco.report import outer_section, utilization
 from geoshard.trainer.record import StepRecord
+from geoshard.trainer.report_advice import advise
 from geoshard.trainer.rundir import (
     RankRun,
     after_first_batch,
@@ -30,6 +33,8 @@ from geoshard.trainer.rundir import (
 )
 from geoshard.trainer.summary import RankSummary
 from geoshard.util.fsutil import write_atomic
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BUDGET = 0.05
 REPORT_JSON = "report.json"
@@ -65,10 +70,33 @@ def write_report(run_dir: str | Path, report: Mapping[str, Any]) -> tuple[Path, 
         write_atomic(json_path, (json.dumps(report, indent=1, allow_nan=False) + "\n").encode())
         # The plot needs every step, which the report does not keep; read them again.
         steps = {rank: r.steps for rank, r in read_run(d).items()}
-        plot_steps(steps, png_path, budget=report.get("budget"), title=f"{d.name}: data wait and compute per step")
+        plot_steps(
+            steps,
+            png_path,
+            budget=report.get("budget"),
+            title=f"{d.name}: data wait, compute and gradient sync per step, per region",
+            regions={x["rank"]: x["region"] for x in report.get("ranks", ())},
+            rounds=read_rounds(d),
+            latency_ms=wan_latency(d),
+        )
     except OSError as e:
         raise ConfigError(f"{d}: cannot write the report there ({e.strerror}); copy the run directory somewhere writable") from e
     return json_path, png_path
+
+
+def wan_latency(run_dir: Path) -> dict[tuple[str, str], float] | None:
+    """One-way latency per region pair of the matrix a run under the WAN rehearsal ran under
+    (RUN_DIR/wan.json names it); None for a run without it, or when the matrix is gone."""
+    from geoshard.wan.matrix import load_matrix
+
+    try:
+        matrix = load_matrix(json.loads((run_dir / "wan.json").read_text())["matrix"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, GeoshardError) as e:
+        log.warning("%s: no latency heatmap in the plot (%s)", run_dir / "wan.json", e)
+        return None
+    return {(link.a, link.b): link.latency_ms for link in matrix.links}
 
 
 def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> dict[str, Any]:
@@ -88,7 +116,7 @@ def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> 
     loader["dropped_samples"] = _left_out_per_epoch(summaries)
     budgets = [s.egress_budget for s in summaries if s.egress_budget is not None]
     per_rank = [_merged(all_summaries([s])).egress_total for s in summaries]
-    return {
+    out = {
         "run_dir": run_dir,
         "io_wait_share": share,
         "io_wait_share_mean": _r(sum(r["io_wait_share"] for r in ranks) / len(ranks)),
@@ -124,6 +152,8 @@ def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> 
         "egress_budget_bytes": min(budgets) if budgets else None,
         "egress_bytes_max_rank": max(per_rank, default=0),
     }
+    out["advice"] = advise(out)  # per verdict not met: what to try (None when met)
+    return out
 
 
 def _regions(runs: Mapping[int, RankRun], ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -137,6 +167,7 @@ def _regions(runs: Mapping[int, RankRun], ranks: list[dict[str, Any]]) -> dict[s
         ttfb = [r["time_to_first_batch_s"] for r in members if r["time_to_first_batch_s"] is not None]
         tiers = _merged(all_summaries(summaries)).tiers
         first = summaries[0] if summaries else RankSummary(rank=-1)
+        loaders = [s.loader for s in summaries if s.loader is not None]
         out[name] = {
             "ranks": len(members),
             "global_ranks": [r["rank"] for r in members],
@@ -147,10 +178,15 @@ def _regions(runs: Mapping[int, RankRun], ranks: list[dict[str, Any]]) -> dict[s
             "samples": sum(r["samples"] for r in members),
             "region_samples": first.region_samples,
             "samples_per_epoch": first.samples_per_epoch,
-            "left_out_per_epoch": first.left_out_per_epoch,
-            "repeated_per_epoch": first.repeated_per_epoch,
+            # StepLog's summary has only the loader's figures (per epoch, over the region's ranks).
+            "left_out_per_epoch": _or_loader(first.left_out_per_epoch, [x.dropped_samples for x in loaders]),
+            "repeated_per_epoch": _or_loader(first.repeated_per_epoch, [x.padded_samples for x in loaders]),
         }
     return out
+
+
+def _or_loader(own: int | None, loader: list[int]) -> int | None:
+    return own if own is not None else max(loader, default=None)
 
 
 def _left_out_per_epoch(summaries: Iterable[RankSummary]) -> int:
@@ -180,6 +216,8 @@ def _cross_region(runs: Mapping[int, RankRun], loader: Mapping[str, Any]) -> dic
         "grad_sync_s_per_step": _r(sum(x.comm_s for x in records) / len(records)) if records else 0.0,
         "grad_sync_cross_s_per_step": _r(sum(x.comm_cross_s for x in leaders) / len(leaders)) if leaders else 0.0,
         "grad_sync_intra_s_per_step": _r(sum(x.comm_intra_s for x in records) / len(records)) if records else 0.0,
+        # StepLog (an own loop) cannot see DDP's all-reduce: its comm_s is 0 and its summary names no sync.
+        "grad_sync_measured": any(s.sync is not None for s in summaries) or any(x.comm_s > 0 for x in records),
     }
 
 

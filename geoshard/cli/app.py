@@ -222,7 +222,7 @@ def synth(out: Path, fmt: str, samples: int, sample_bytes: int, shard_samples: i
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-out"), show_default=True)
 @click.option("--samples", type=click.IntRange(min=1), default=20_000, show_default=True)
 @click.option("--workers", "--split-workers", "workers", type=click.IntRange(min=1), help="Dask workers (default: one per core).")
-@click.option("--steps", type=click.IntRange(min=1), help="Training steps (default 600, or 60 under the WAN rehearsal).")
+@click.option("--steps", type=click.IntRange(min=1), help="Training steps (default 600; 40 per run under the WAN rehearsal).")
 @click.option("--train/--no-train", default=True, help="--no-train: synthesize and split only.")
 @click.option(
     "--wan",
@@ -236,24 +236,30 @@ def demo(out: Path, samples: int, workers: int | None, steps: int | None, train:
     """The main job on one machine: synthesize, split for three regions, sync to a local S3
     server, train one DDP job across the three regions (one rank each), each reading its own
     region's tier chain, and report the IO wait; as root, every packet between regions crosses
-    the WAN rehearsal's links."""
+    the WAN rehearsal's links, and the same samples are trained again with DiLoCo, side by side."""
     from geoshard.cli.progress import split_progress, split_table
     from geoshard.cli.report import render_report
-    from geoshard.local.demo import DemoSettings, run_demo
+    from geoshard.local.demo import DemoSettings, run_demo, side_by_side
 
     quiet_dask()
     click.echo(f"geoshard demo: {samples:,} synthetic samples -> three regions under {out}/")
     matrix = _demo_matrix(wan, out) if train else None
     if steps is None:
-        steps = 60 if matrix is not None else 600  # under the WAN each step waits for the ocean
+        steps = 40 if matrix is not None else 600  # under the WAN each step waits for the ocean, in two runs
     settings = DemoSettings(out=out, samples=samples, workers=workers, steps=steps, train=train, wan=matrix)
     with split_progress() as progress:
         result = run_demo(settings, progress=progress.update, echo=click.echo)
     split_table(result.split)
     if result.report is not None:
         click.echo(render_report(result.report))
+    for line in side_by_side(result):
+        click.echo(line)
     timing = "  ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())
     click.echo(f"plan: {result.plan.path}   split: {out / 'split'}   run: {result.run_dir or '-'}")
+    for run in (result.run_dir, result.diloco_run_dir):
+        if run is not None:
+            wan_part = "; the WAN's latencies" if matrix is not None else ""
+            click.echo(f"plot: {run / 'report.png'} (per region: data wait, compute, gradient sync{wan_part})")
     click.echo(f"stages: {timing}")
 
 

@@ -86,7 +86,14 @@ def _renderables(r: Mapping[str, Any]) -> list[RenderableType]:
         f" of training time, budget {budget:.1%}: ",
         (r["verdict"], "bold green" if ok else "bold red"),
     )
-    out: list[RenderableType] = [headline, _summary_lines(r), _breakdown_table(r), _ranks_table(r)]
+    out: list[RenderableType] = [
+        headline,
+        *_try(r, "io_wait"),
+        _summary_lines(r),
+        *_try(r, "utilization"),
+        _breakdown_table(r),
+        _ranks_table(r),
+    ]
     if len(r.get("regions") or {}) > 1:
         out.append(_regions_table(r))
     if r.get("outer"):
@@ -95,6 +102,7 @@ def _renderables(r: Mapping[str, Any]) -> list[RenderableType]:
         out.append(_tiers_table(r))
     if r["egress_bytes"]:
         out.append(_egress_table(r))
+    out += _try(r, "egress")
     if not r["complete"]:
         missing = [str(x["rank"]) for x in r["ranks"] if not x["finished"]]
         found = len(r["ranks"])
@@ -103,6 +111,12 @@ def _renderables(r: Mapping[str, Any]) -> list[RenderableType]:
             note += f"; rank(s) {', '.join(missing)} wrote no rank summary (still running or failed): wall time up to their last step"
         out.append(Text(note, style="yellow"))
     return out
+
+
+def _try(r: Mapping[str, Any], verdict: str) -> list[RenderableType]:
+    """The line under a verdict that is not met: what to try (reports of older versions have none)."""
+    line = (r.get("advice") or {}).get(verdict)
+    return [Text(f"  try: {line}", style="yellow", no_wrap=True, overflow="ignore")] if line else []  # one line, never folded
 
 
 def _summary_lines(r: Mapping[str, Any]) -> Text:
@@ -121,6 +135,8 @@ def _summary_lines(r: Mapping[str, Any]) -> Text:
     if u:
         verdict = "met" if u["met"] else "not met"
         lines += f"\ncompute utilization {u['share']:.1%} (compute without gradient exchange / wall), target {u['target']:.0%}: {verdict}"
+        if not r.get("grad_sync_measured", True):
+            lines += " (gradient sync not measured: counted as compute)"
     return Text(lines)
 
 
@@ -141,6 +157,9 @@ def _breakdown_table(r: Mapping[str, Any]) -> Table:
         if key not in b or (key == "outer_sync" and not b[key]["seconds"]):  # older reports; runs without DiLoCo
             continue
         style = "red" if key == "data_wait" and not r["within_budget"] else "dim" if key == "comm" else None
+        if key == "comm" and not r.get("grad_sync_measured", True):
+            table.add_row(label, "not measured", "-", style=style)  # StepLog: the all-reduce is inside compute
+            continue
         table.add_row(label, duration(b[key]["seconds"]), f"{b[key]['share']:.1%}", style=style)
     table.add_row("wall", duration(b["wall"]["seconds"]), "100.0%", style="bold")
     return table
@@ -186,11 +205,13 @@ def _regions_table(r: Mapping[str, Any]) -> Table:
             _count(g["repeated_per_epoch"]),
         )
     steps = f"{human_bytes(r['cross_region_grad_bytes_per_step'])} per step" if r.get("cross_region_grad_bytes_per_step") else "none"
-    table.caption = (
-        f"across regions: data {human_bytes(r['cross_region_data_bytes'])} (goal 0), gradients {steps}; "
-        f"gradient sync {r.get('sync') or '-'}: {duration(r['grad_sync_s_per_step'])} per step and rank"
-        + (f", of which {duration(r['grad_sync_cross_s_per_step'])} between region leaders" if r.get("grad_sync_cross_s_per_step") else "")
-    )
+    if r.get("grad_sync_measured", True):
+        sync = f"gradient sync {r.get('sync') or '-'}: {duration(r['grad_sync_s_per_step'])} per step and rank" + (
+            f", of which {duration(r['grad_sync_cross_s_per_step'])} between region leaders" if r.get("grad_sync_cross_s_per_step") else ""
+        )
+    else:
+        sync = "gradient sync not measured (StepLog cannot see DDP's all-reduce)"
+    table.caption = f"across regions: data {human_bytes(r['cross_region_data_bytes'])} (goal 0), gradients {steps}; {sync}"
     table.caption_justify = "left"
     return table
 

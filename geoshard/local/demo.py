@@ -8,6 +8,9 @@
    replica and the region's bucket, and write-back fills the replica for the following epochs.
    Nothing is read from another region's bucket.
 4. Report the IO-wait share against the budget.
+5. Under the WAN rehearsal, train the same samples again with DiLoCo (a short H, the exchange
+   behind training) and set both runs' utilization and bytes across regions side by side: the
+   report's advice for a job bound by its gradient sync, measured.
 
 Everything started here is stopped before returning, also on errors and Ctrl-C. The plan is
 written next to the output so users can start their own from it.
@@ -32,10 +35,12 @@ from geoshard.local.synth import SynthSpec, synth
 from geoshard.plan import Plan, parse_plan
 from geoshard.split import SplitResult, SplitSettings, run_split
 from geoshard.split.job import ProgressFn
+from geoshard.util.units import human_bytes
 
 if TYPE_CHECKING:
     from geoshard.trainer.config import RegionRanks, TrainConfig
 
+WAN_STEP_TIME_S = 0.2  # stated compute per step under the rehearsal (TrainConfig.step_time)
 _SYNC_TIMEOUT_S = 3600.0  # the whole sync; each S3 request and s5cmd call has its own bound inside
 
 DEMO_PLAN = """\
@@ -86,6 +91,9 @@ class DemoResult:
     sync: dict[str, Any] | None = None
     report: dict[str, Any] | None = None
     run_dir: Path | None = None
+    diloco: dict[str, Any] | None = None  # under the rehearsal: the DiLoCo run's report
+    diloco_run_dir: Path | None = None
+    outer_steps: tuple[int, int] = (0, 0)  # the DiLoCo run's H and overlap
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -136,7 +144,7 @@ def _sync_and_train(settings: DemoSettings, result: DemoResult, echo: Echo) -> N
     from geoshard.local.ports import closed_port
     from geoshard.local.seaweed import SeaweedS3
     from geoshard.trainer.config import parse_regions
-    from geoshard.trainer.report import build_report
+    from geoshard.trainer.report import build_report, write_report
 
     out, seconds = settings.out, result.seconds
     regions = parse_regions(settings.regions)
@@ -156,7 +164,14 @@ def _sync_and_train(settings: DemoSettings, result: DemoResult, echo: Echo) -> N
         result.sync = _sync(out / "split", plan_path, credentials, echo, seconds)
         cfg = _train(settings, regions, plan_path, credentials, echo, seconds)
         result.run_dir = cfg.out
+        # Written again once every rank has finished (rank 0 wrote it at its own end).
         result.report = build_report(cfg.out, cfg.budget)
+        write_report(cfg.out, result.report)
+        if settings.wan is not None:
+            diloco = _train_diloco(settings, cfg, regions, credentials, echo, seconds)
+            result.diloco_run_dir, result.outer_steps = diloco.out, (diloco.outer_steps, diloco.outer_overlap)
+            result.diloco = build_report(diloco.out, diloco.budget)
+            write_report(diloco.out, result.diloco)
     finally:
         t0 = time.monotonic()
         server.stop()
@@ -217,6 +232,66 @@ def _train(
     return cfg
 
 
+def _train_diloco(
+    settings: DemoSettings,
+    ddp: TrainConfig,
+    regions: Sequence[RegionRanks],
+    credentials: Mapping[str, str],
+    echo: Echo,
+    seconds: dict[str, float],
+) -> TrainConfig:
+    """The same samples (steps, batch, micro-batches) with DiLoCo under the same rehearsal."""
+    from geoshard.wan.launch import launch_under_wan
+
+    assert settings.wan is not None
+    cfg = diloco_config(ddp)
+    replicas = (settings.out / "replica").resolve()
+    if replicas.exists():  # from a cold replica as the DDP run was
+        shutil.rmtree(replicas)
+    echo(f"training again with DiLoCo: each region alone, an outer round every {cfg.outer_steps} steps behind {cfg.outer_overlap} steps")
+    t0 = time.monotonic()
+    code = launch_under_wan(cfg, regions, 0, settings.wan, echo, env=credentials)
+    seconds["train_diloco"] = time.monotonic() - t0
+    if code != 0:
+        raise DemoFailed(f"training with DiLoCo failed (exit {code}); the ranks' errors are above")
+    return cfg
+
+
+def diloco_config(ddp: TrainConfig) -> TrainConfig:
+    """DiLoCo's run next to ``ddp``: a short H (two rounds in the demo's steps), half of it overlapped."""
+    h = max(2, ddp.steps // 2)
+    return dataclasses.replace(ddp, out=ddp.out.with_name(ddp.out.name + "-diloco"), sync="diloco", outer_steps=h, outer_overlap=h // 2)
+
+
+def side_by_side(result: DemoResult) -> list[str]:
+    """Under the rehearsal, the two runs' utilization, step time and bytes across regions (the
+    forwarder's count), a line each; nothing without a DiLoCo run."""
+    ddp, diloco = result.report, result.diloco
+    if ddp is None or diloco is None or result.run_dir is None or result.diloco_run_dir is None:
+        return []
+    h, overlap = result.outer_steps
+    rows = [("hierarchical DDP", ddp, result.run_dir), (f"DiLoCo, H={h}, overlap {overlap}", diloco, result.diloco_run_dir)]
+    width = max(len(name) for name, _, _ in rows)
+    lines = [f"the same corpus and {ddp['steps']} steps, two ways across the WAN rehearsal:"]
+    for name, r, run in rows:
+        step = r["breakdown"]["wall"]["seconds"] / max(1, r["world_size"] * r["steps"])
+        lines.append(
+            f"  {name:<{width}}  {r['samples']:>7,} samples  compute utilization {r['utilization']['share']:6.1%}"
+            f"  step {step * 1000:5.0f} ms"
+            f"  across regions {human_bytes(_crossed(run)):>9}  ({run})"
+        )
+    return lines
+
+
+def _crossed(run: Path) -> int:
+    """Bytes that crossed between regions in the run (RUN_DIR/wan.json, written by the rehearsal)."""
+    try:
+        links = json.loads((run / "wan.json").read_text())["links"]
+        return sum(int(x["bytes"]) for x in links)
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
 def _train_config(settings: DemoSettings, plan_path: Path) -> TrainConfig:
     from geoshard.trainer.config import TrainConfig
 
@@ -231,9 +306,16 @@ def _train_config(settings: DemoSettings, plan_path: Path) -> TrainConfig:
     if settings.wan is None:
         return cfg
     # Long links: the seed's advice (accumulate 4 micro-batches per exchange, fp16 across regions).
-    # A narrower model too: its step is bound by the round trips, not by the bytes.
+    # A narrower model too: its step is bound by the round trips, not by the bytes. The stated
+    # compute stands for a real model's step: against the MLP's few milliseconds any exchange
+    # across regions, DiLoCo's rounds included, would be all of the wall.
     return dataclasses.replace(
-        cfg, accum_steps=4, grad_compression="fp16", hidden=min(cfg.hidden, 256), checkpoint_every=max(1, settings.steps // 2)
+        cfg,
+        accum_steps=4,
+        grad_compression="fp16",
+        hidden=min(cfg.hidden, 256),
+        checkpoint_every=max(1, settings.steps // 2),
+        step_time=WAN_STEP_TIME_S,
     )
 
 
