@@ -88,12 +88,17 @@ def test_a_rank_that_crashes_is_its_own_line(plan: Path, tmp_path: Path, job: tu
 
 
 @pytest.mark.slow
-def test_a_rank_killed_by_a_signal_says_so(plan: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("job", "where"),
+    [(("--region", EU, "--nproc", "2"), ""), (("--regions", f"{US}:1,{EU}:1"), f"region {EU}: ")],
+    ids=["one-region", "regions"],
+)
+def test_a_rank_killed_by_a_signal_says_so(plan: Path, tmp_path: Path, job: tuple[str, ...], where: str) -> None:
     out = tmp_path / "run"
-    argv = train(plan, out, "--region", EU, "--nproc", "2", "--steps", "200")
+    argv = train(plan, out, *job, "--steps", "200")
     r = run_and_kill(argv, tmp_path, lambda: find(out, False, "RANK=1") if last_step(out, 1) >= 2 else None)
     line = one_line(r, 1)
-    assert "training stopped: rank 1 was killed by SIGKILL (pid " in line, line
+    assert f"training stopped: {where}rank 1 was killed by SIGKILL (pid " in line, line
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import itertools
 import os
 import socket
 import struct
@@ -120,6 +121,20 @@ def test_a_store_listens_only_on_its_host() -> None:
     assert ("127.0.0.1", store.port) in mine and not wildcard({s: "" for s in mine})
     with socket.socket() as s:
         s.connect(("127.0.0.1", store.port))  # and it serves there
+    for address in external_addresses():  # from outside the machine: refused
+        with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+            s.connect((address, store.port))
+
+
+def external_addresses() -> list[str]:
+    """This machine's IPv4 addresses other than loopback (from the kernel's routing table)."""
+    found = set()
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/net/fib_trie").read_text().splitlines()
+        for prev, line in itertools.pairwise(lines):
+            if "/32 host LOCAL" in line and (a := prev.split()[-1]) and not a.startswith("127."):
+                found.add(a)
+    return sorted(found)
 
 
 @pytest.mark.slow

@@ -81,21 +81,23 @@ def signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def record_stop(out: Path, where: str, returncode: int, relay: StderrRelay) -> None:
+def record_stop(out: Path, where: str, returncode: int | None, relay: StderrRelay) -> bool:
     """The launcher, when an agent ended for good: what killed it or its rank, when a signal did
-    (``where``: "region R: " or ""). Nothing is recorded for an agent that exited on its own."""
-    if returncode < 0:
-        what = f"{where}its torchrun agent was killed by {signal_name(-returncode)}"
+    (``where``: "region R: " or ""); whether it recorded. Nothing for an agent that exited on its own."""
+    agent = f"{where}{'its' if where else 'the'} torchrun agent"
+    if returncode is not None and returncode < 0:
+        what = f"{agent} was killed by {signal_name(-returncode)}"
     elif relay.agent_signal is not None:
-        what = f"{where}its torchrun agent was stopped by {signal_name(relay.agent_signal)}"
+        what = f"{agent} was stopped by {signal_name(relay.agent_signal)}"
     elif relay.rank_signal is not None:
         name, pid, rank = relay.rank_signal
         what = f"{where}{'a rank' if rank is None else f'rank {rank}'} was killed by {name} (pid {pid})"
     else:
-        return
+        return False
     d = logs_dir(out)
     d.mkdir(parents=True, exist_ok=True)
     (d / _STOPPED).write_text(json.dumps({"message": what}) + "\n")
+    return True
 
 
 def recorded_stop(out: Path) -> str | None:

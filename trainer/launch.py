@@ -179,7 +179,10 @@ def launch_regions(
         code, first = _wait_all(procs)
         if first is not None:
             relays[first].join(1.0)  # its last lines: torchrun's report of a rank's signal
-            record_stop(cfg.out, f"region {regions[first].region}: ", code, relays[first])
+            # The first agent to fail may have lost a peer that a signal killed in another region.
+            for i in sorted(range(len(procs)), key=lambda i: i != first):
+                if record_stop(cfg.out, f"region {regions[i].region}: ", procs[i].returncode, relays[i]):
+                    break
         return code
     finally:
         terminate(procs, STOP_GRACE_S)
