@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import traceback
 from typing import Any
 
 import click
@@ -19,7 +20,7 @@ from geoshard.trainer.options import config_from, train_options
 def main(**kwargs: Any) -> None:
     """Train the demo model with DDP on one region's data and write RUN_DIR/report.json."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from geoshard.trainer.failures import record_failure
+    from geoshard.trainer.failures import record_crash, record_failure
     from geoshard.trainer.loop import start_environment, train
 
     try:
@@ -38,6 +39,10 @@ def main(**kwargs: Any) -> None:
         record_failure(cfg.out, int(os.environ.get("RANK", "0")), e)  # geoshard train prints it once
         click.echo(f"geoshard.trainer: error: {e.message}", err=True)
         exit_rank(e.exit_code)
+    except Exception as e:  # a bug, or a value nothing checked: its own line for geoshard train, the traceback in the log
+        traceback.print_exc()
+        record_crash(cfg.out, int(os.environ.get("RANK", "0")), e)
+        exit_rank(1)
     exit_rank(0)
 
 

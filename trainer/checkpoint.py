@@ -223,6 +223,11 @@ class CheckpointStore:
         """The target as safe to print (S3: bucket, prefix and endpoint without credentials)."""
         return self._backend.where
 
+    def is_empty(self) -> bool:
+        """No pointer and no checkpoint file here (one listing)."""
+        names = self._retry("listing checkpoints", self._backend.names)
+        return not any(n == POINTER or _NAME.match(n) for n in names)
+
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
         try:
             return retry(fn, self.backoff, (OSError, _Transient), f"{what} at {self.where}", sleep=self._sleep)

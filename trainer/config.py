@@ -171,6 +171,10 @@ class TrainConfig:
     def checkpoint_target(self) -> str:
         return self.checkpoint or str(self.out / "checkpoints")
 
+    def region_checkpoint_target(self, region: str) -> str:
+        """Under DiLoCo each region keeps its own checkpoints: a region restarts alone."""
+        return self.checkpoint_target.rstrip("/") + f"/{region}"
+
     def to_argv(self) -> list[str]:
         """The same config as ``python -m geoshard.trainer`` arguments."""
         argv: list[str] = []

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import os
 import signal
 import socket
@@ -30,7 +29,7 @@ from typing import Any
 
 from geoshard.errors import ConfigError
 from geoshard.trainer.config import RegionRanks, TrainConfig
-from geoshard.trainer.failures import StderrRelay, clear_failures, logs_dir
+from geoshard.trainer.failures import StderrRelay, clear_failures, logs_dir, record_stop
 from geoshard.util.procs import terminate
 
 AGENT_TAG = "GEOSHARD_AGENT"  # marks a region's processes under --sync diloco (kill_tagged)
@@ -81,6 +80,11 @@ def torchrun_argv(
     return [*argv, "-m", "geoshard.trainer", *cfg.to_argv()]
 
 
+# On one machine the ranks' gloo and NCCL sockets listen on loopback (their default is the address
+# the host name resolves to); --socket-ifname, or the rehearsal's interface, replaces these.
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+
+
 def _base_env(env: Mapping[str, str] | None) -> dict[str, str]:
     # PYTHONSAFEPATH: with geoshard installed from a wheel, `-m geoshard.trainer` started in a checkout
     # of this repository would import its geoshard/ folder, which has no trainer (an editable install
@@ -94,14 +98,19 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0, env: Mapping[str
 
     stderr (torchrun's and the ranks') goes to RUN_DIR/logs/stderr.log, geoshard's warnings on to
     ours (``failures.StderrRelay``); a failed rank's one line is in RUN_DIR/logs/error-rank{R}.json."""
-    argv = torchrun_argv(cfg, nproc, max_restarts, local_addr="127.0.0.1")
+    # The rendezvous store lives here, on loopback only (an agent hosting it would listen on every address).
+    store = _rendezvous_store("127.0.0.1")
+    argv = torchrun_argv(cfg, nproc, max_restarts, store.port, local_addr="127.0.0.1", is_host=False)
     logs = _fresh_logs(cfg)
     # An argv list, no shell: nothing the user passes is interpreted.
-    proc = subprocess.Popen(argv, env=_base_env(env), stderr=subprocess.PIPE)  # noqa: S603
+    proc = subprocess.Popen(argv, env=_base_env({**LOOPBACK_ENV, **(env or {})}), stderr=subprocess.PIPE)  # noqa: S603
     assert proc.stderr is not None
     relay = StderrRelay(proc.stderr, logs / "stderr.log")
     code = proc.wait()
     relay.join()
+    del store
+    if code != 0:
+        record_stop(cfg.out, "", code, relay)
     return code
 
 
@@ -121,7 +130,7 @@ class RegionNet:
 
     address: Callable[[str], str] = lambda region: "127.0.0.1"
     wrap: Wrap = lambda region, argv: argv
-    env: Callable[[str], Mapping[str, str]] = lambda region: {}
+    env: Callable[[str], Mapping[str, str]] = lambda region: LOOPBACK_ENV
     # Runs a block with this thread in the region's network (sockets made there stay there).
     inside: Callable[[str], contextlib.AbstractContextManager[None]] = lambda region: contextlib.nullcontext()
 
@@ -167,7 +176,14 @@ def launch_regions(
             procs.append(proc)
             assert proc.stderr is not None
             relays.append(StderrRelay(proc.stderr, logs / "stderr.log", seen=seen))
-        return _wait_all(procs)
+        code, first = _wait_all(procs)
+        if first is not None:
+            relays[first].join(1.0)  # its last lines: torchrun's report of a rank's signal
+            # The first agent to fail may have lost a peer that a signal killed in another region.
+            for i in sorted(range(len(procs)), key=lambda i: i != first):
+                if record_stop(cfg.out, f"region {regions[i].region}: ", procs[i].returncode, relays[i]):
+                    break
+        return code
     finally:
         terminate(procs, STOP_GRACE_S)
         for relay in relays:
@@ -183,6 +199,8 @@ def _launch_separate_regions(
     from geoshard.trainer.diloco import host_store
     from geoshard.trainer.diloco.auth import write_secret
 
+    if cfg.resume:
+        _check_region_checkpoints(cfg, regions)
     host = net.address(regions[0].region)
     with net.inside(regions[0].region):
         outer = host_store(host, timeout_s=max(300.0, cfg.outer_timeout))
@@ -205,6 +223,26 @@ def _launch_separate_regions(
         del outer  # the stores go with this frame, after every region stopped
 
 
+def _check_region_checkpoints(cfg: TrainConfig, regions: Sequence[RegionRanks]) -> None:
+    """A whole DiLoCo job resumed: a region without checkpoints while others have theirs would start
+    at step 0 and could publish its fresh weights as the job's outer state; refused before anything
+    starts. No region with checkpoints: a fresh start, as ``--resume`` is on a first run."""
+    from geoshard.trainer.checkpoint import CheckpointStore
+
+    def empty(region: str) -> bool:
+        target = cfg.region_checkpoint_target(region)
+        return CheckpointStore(target, endpoint_url=cfg.checkpoint_endpoint, region=cfg.checkpoint_region).is_empty()
+
+    missing = [r.region for r in regions if empty(r.region)]
+    if missing and len(missing) < len(regions):
+        have = [r.region for r in regions if r.region not in missing]
+        raise ConfigError(
+            f"--resume: no checkpoint for region {', '.join(missing)} under {cfg.checkpoint_target} "
+            f"({', '.join(have)} {'has' if len(have) == 1 else 'have'} theirs); it would start at step 0 and "
+            "could overwrite the others' outer state: restore its checkpoints, or start the job over with --overwrite"
+        )
+
+
 @dataclass
 class _RegionJobs:
     """DiLoCo's regions as torchrun jobs of their own; a region that fails starts again (with
@@ -218,6 +256,7 @@ class _RegionJobs:
     logs: Path
     seen: set[bytes] = dataclasses.field(default_factory=set)
     relays: list[StderrRelay] = dataclasses.field(default_factory=list)
+    relay_of: dict[str, int] = dataclasses.field(default_factory=dict)  # each region's current agent's relay
     running: dict[str, subprocess.Popen[bytes]] = dataclasses.field(default_factory=dict)
     starts: dict[str, int] = dataclasses.field(default_factory=dict)
     tags: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -240,6 +279,7 @@ class _RegionJobs:
         agent_env = _base_env({**self.env, **self.net.env(r.region), "GEOSHARD_REGION": r.region, AGENT_TAG: self.tags[r.region]})
         proc = subprocess.Popen(self.net.wrap(r.region, argv), env=agent_env, stderr=subprocess.PIPE)  # noqa: S603
         assert proc.stderr is not None
+        self.relay_of[r.region] = len(self.relays)
         self.relays.append(StderrRelay(proc.stderr, self.logs / "stderr.log", seen=self.seen))
         self.running[r.region] = proc
         self.starts[r.region] = n + 1
@@ -261,6 +301,9 @@ class _RegionJobs:
                     self.start(r)
                 elif code == 0:
                     code = proc.returncode
+                    relay = self.relays[self.relay_of[r.region]]
+                    relay.join(1.0)  # its last lines: torchrun's report of a rank's signal
+                    record_stop(self.cfg.out, f"region {r.region}: ", code, relay)
             time.sleep(0.1)
         return code
 
@@ -289,22 +332,23 @@ def kill_tagged(tag: str) -> int:
 
 
 def _rendezvous_store(host: str) -> Any:
-    from torch.distributed import TCPStore
+    from geoshard.trainer.listen import master_store
 
-    return TCPStore(host, 0, is_master=True, wait_for_workers=False, multi_tenant=True, timeout=datetime.timedelta(seconds=900))
+    return master_store(host, timeout_s=900, multi_tenant=True)
 
 
-def _wait_all(procs: list[subprocess.Popen[bytes]]) -> int:
-    """Until every agent ends; once one fails, the rest get STOP_GRACE_S (their peers are gone)."""
+def _wait_all(procs: list[subprocess.Popen[bytes]]) -> tuple[int, int | None]:
+    """Until every agent ends; once one fails, the rest get STOP_GRACE_S (their peers are gone).
+    The first failing agent's exit status and index (0 and None: every agent succeeded)."""
     failed_at: float | None = None
-    code = 0
+    code, first = 0, None
     while True:
         running = [p for p in procs if p.poll() is None]
-        for p in procs:
+        for i, p in enumerate(procs):
             if p.returncode not in (None, 0) and code == 0:
-                code, failed_at = p.returncode, time.monotonic()
+                code, first, failed_at = p.returncode, i, time.monotonic()
         if not running:
-            return code
+            return code, first
         if failed_at is not None and time.monotonic() - failed_at > STOP_GRACE_S:
-            return code
+            return code, first
         time.sleep(0.1)

@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from geoshard.trainer.comm import CommState, hierarchical_hook, resolve_sync, ti
 from geoshard.trainer.config import TrainConfig
 from geoshard.trainer.context import RankContext
 from geoshard.trainer.diloco.loop import OuterLoop
+from geoshard.trainer.listen import process_group_store
 from geoshard.trainer.metrics import Metrics
 from geoshard.trainer.model import ModelInput, Net, count_collate, to_tensors
 from geoshard.trainer.record import StepRecord, append_step
@@ -95,7 +97,9 @@ def train(cfg: TrainConfig) -> RankSummary:
     job = cfg.job_regions if cfg.sync == "diloco" else ()
     if cfg.sync == "diloco" and (not job or not cfg.outer_store):
         raise ConfigError("--sync diloco needs --outer-store and --outer-regions (geoshard train --regions sets both)")
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.collective_timeout))
+    # Rank 0 serves the group's store on MASTER_ADDR only (trainer/listen.py), not torchrun's on every address.
+    store, rank, world = process_group_store(os.environ, cfg.collective_timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=cfg.collective_timeout))
     try:
         ctx = RankContext.discover(cfg.region, backend, job=job)
         plan.region(ctx.region)
@@ -141,8 +145,7 @@ def _train(cfg: TrainConfig, ctx: RankContext) -> RankSummary:
     loader = _make_loader(cfg, ctx)
     if ctx.group_rank == 0:
         _announce(cfg, ctx, loader.dataset.balance, sync)
-    # Under DiLoCo each region keeps its own checkpoints: a region restarts alone.
-    target = cfg.checkpoint_target.rstrip("/") + f"/{ctx.region}" if sync == "diloco" else cfg.checkpoint_target
+    target = cfg.region_checkpoint_target(ctx.region) if sync == "diloco" else cfg.checkpoint_target
     store = CheckpointStore(target, keep=cfg.checkpoint_keep, endpoint_url=cfg.checkpoint_endpoint, region=cfg.checkpoint_region)
     step, resumed_outer = _resume(cfg, ctx, model, opt, loader, store)
     logs = RunLogs(cfg.out, ctx.rank)

@@ -79,12 +79,21 @@ def train(nproc: int, regions_spec: str | None, wan_matrix: Path | None, max_res
 
 
 def launch_failure(out: Path, code: int) -> GeoshardError:
-    """The failed rank's own line and exit code; else what crashed, and where its output is."""
-    from geoshard.trainer.failures import RankFailed, first_failure, last_traceback_line, logs_dir
+    """The failed rank's own line and exit code; else the signal that killed an agent or a rank
+    (the others' errors are its consequences); else the first rank that crashed; else what the
+    log's last traceback says, and where the ranks' output is."""
+    from geoshard.trainer.failures import RankFailed, first_failure, last_traceback_line, logs_dir, recorded_stop
 
     failure = first_failure(out)
     if failure is not None:
         return RankFailed(failure)
+    where = f"the ranks' output: {logs_dir(out) / 'stderr.log'}"
+    stop = recorded_stop(out)
+    if stop is not None:
+        return TrainingFailed(f"training stopped: {stop}; {where}")
+    crashed = first_failure(out, kind="crash")
+    if crashed is not None:
+        return RankFailed(crashed)
     crash = last_traceback_line(out)
     what = f"training stopped (torchrun exit {code})" + (f": {crash}" if crash else "")
-    return TrainingFailed(f"{what}; the ranks' output: {logs_dir(out) / 'stderr.log'}")
+    return TrainingFailed(f"{what}; {where}")

@@ -42,7 +42,9 @@ class Store(Protocol):
 
 def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
     """The launcher's store (it outlives every region); ``.port`` is the port it got."""
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+    from geoshard.trainer.listen import master_store
+
+    return master_store(host, port, timeout_s=timeout_s)  # on host only, not every address
 
 
 def connect_store(host: str, port: int, timeout_s: float = 60.0) -> dist.TCPStore:
