@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +124,14 @@ class Run:
     segment: int
 
 
+def lease_name(out: Path) -> str:
+    """The job's lease in each bucket (docs/guarantees.md section 8): named by its run folder, so a
+    resumed run renews the lease its first segment took."""
+    where = out.resolve()
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", where.name)[:40].lstrip("._-") or "run"
+    return f"{name}-{hashlib.sha256(str(where).encode()).hexdigest()[:12]}"
+
+
 def loader_key(region: str, region_rank: int) -> str:
     """A loader position is keyed by region and rank within it: a restart may renumber global ranks."""
     return f"{region}/{region_rank}"
@@ -150,6 +160,8 @@ def _train(cfg: TrainConfig, ctx: RankContext) -> dict[str, Any]:
         prefetch=cfg.prefetch,
         shuffle_buffer=cfg.shuffle_buffer,
         allow_cross_region=cfg.allow_cross_region,
+        follow_refresh=cfg.follow_refresh,
+        lease=lease_name(cfg.out),
     )
     ds = loader.dataset
     if ctx.group_rank == 0:
@@ -198,6 +210,7 @@ def _train(cfg: TrainConfig, ctx: RankContext) -> dict[str, Any]:
         left_out_per_epoch=ds.remainder()["dropped_samples"],
         repeated_per_epoch=ds.remainder()["padded_samples"],
         region_samples=sum(s.samples for s in ds.manifest.shards),
+        generations={str(e): g for e, g in sorted(ds.generations.items())},
         segment=segment,
         earlier_segments=_earlier_segments(cfg.out / f"rank{rank}.json", segment),
         egress_budget=ds.settings.egress_budget if ds.settings.egress_budget is not None else load_plan(cfg.plan).egress.budget,
@@ -319,7 +332,9 @@ def _loop(run: Run, step: int) -> dict[str, Any]:
         step += 1
         samples += n
         if run.keys_log is not None:  # before the checkpoint: a resume after it never redoes this step
-            run.keys_log.write(json.dumps({"step": step, "region": ctx.region, "keys": keys}) + "\n")
+            ds = loader.dataset  # the epoch and generation of this step's (last) batch
+            record_keys = {"step": step, "region": ctx.region, "epoch": ds.epoch, "generation": ds.manifest.generation, "keys": keys}
+            run.keys_log.write(json.dumps(record_keys) + "\n")
             run.keys_log.flush()
         t_outer = clock()
         if run.outer is not None:  # before the checkpoint, so one taken at a round holds its result

@@ -192,8 +192,19 @@ def _regions(runs: Mapping[int, RankRun], ranks: list[dict[str, Any]]) -> dict[s
             "samples_per_epoch": first.get("samples_per_epoch"),
             "left_out_per_epoch": first.get("left_out_per_epoch"),
             "repeated_per_epoch": first.get("repeated_per_epoch"),
+            "generations": _generations(first),
         }
     return out
+
+
+def _generations(summary: Mapping[str, Any]) -> dict[str, int]:
+    """The generation each epoch of the region read, over the rank's segments (a resume, a restart)."""
+    out: dict[str, int] = {}
+    for seg in [*(summary.get("earlier_segments") or []), summary]:
+        gens = seg.get("generations") if isinstance(seg, Mapping) else None
+        if isinstance(gens, Mapping):
+            out.update({str(e): g for e, g in gens.items() if _is_int(g)})
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0))
 
 
 def _left_out_per_epoch(summaries: Iterable[Mapping[str, Any]]) -> int:
