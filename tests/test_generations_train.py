@@ -111,3 +111,25 @@ def test_without_follow_refresh_the_job_finishes_on_its_pinned_generation_while_
     assert set(report["regions"][US]["generations"].values()) == {1}
     for r in (US, EU):  # what kept generation 1: the job's lease in each region's bucket
         assert any(k.startswith(f"train/{LEASES}/run-") for k in objects(aws, bucket_of(plan, r))), r
+
+
+@pytest.mark.slow
+def test_a_resume_after_a_refresh_ends_its_epoch_on_the_checkpoints_generation_then_follows(aws: SeaweedS3, tmp_path: Path) -> None:
+    plan = gen_plan(tmp_path, aws, local=False)
+    src, out, split = tmp_path / "src", tmp_path / "run", tmp_path / "split"
+    old = add_source(src, "a", FIRST)
+    refresh(src, plan, split)
+    out.mkdir()
+    _finish(_train(plan, out, 15, "--checkpoint-every", "5"))  # stops in epoch 1 (10 steps per epoch)
+    new = add_source(src, "b", ADDED)
+    refresh(src, plan, split)
+    text = _finish(_train(plan, out, 45, "--checkpoint-every", "5", "--resume", "--follow-refresh"))
+    assert text.count("resumed at step 15") == 2, text[-3000:]
+    seen = keys_by_epoch(out)
+    epochs = sorted({e for _, e in seen})
+    for r in (US, EU):
+        assert [next(iter(seen[(r, e)][0])) for e in epochs] == [1, 1] + [2] * (len(epochs) - 2), (r, epochs)
+        for e in epochs[:-1]:  # epoch 1 over both runs, then the new generation's: every key once
+            counts = seen[(r, e)][1]
+            assert set(counts) == (old if e < 2 else old | new) and max(counts.values()) == 1, (r, e)
+    assert len(epochs) >= 4
