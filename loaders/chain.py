@@ -157,9 +157,11 @@ class TierChain:
                 return m
         raise AllTiersFailed(f"region {self.region}: no tier has its {MANIFEST}: " + "; ".join(failures))
 
-    def manifest_from(self, tier: Tier, path: str, failures: list[str]) -> RegionManifest | None:
+    def manifest_from(self, tier: Tier, path: str, failures: list[str], probe: bool = False) -> RegionManifest | None:
         """This region's manifest at ``path`` in ``tier`` (``manifest.json``, or a generation's history
-        copy in a bucket), or None with the reason appended to ``failures``."""
+        copy in a bucket), or None with the reason appended to ``failures``. A ``probe`` (which
+        generation is newest) leaves the tier's counters and health as they were: the shards'
+        reads judge the tier."""
         if not self.healthy(tier):
             failures.append(f"{tier.name}: cooling down after a failure")
             return None
@@ -169,8 +171,9 @@ class TierChain:
             failures.append(str(e))
             return None
         except TierError as e:
-            self.stats.count(tier.name, "errors")
-            self._down_until[tier.name] = self._clock() + self.settings.cooldown_s
+            if not probe:
+                self.stats.count(tier.name, "errors")
+                self._down_until[tier.name] = self._clock() + self.settings.cooldown_s
             failures.append(str(e))
             return None
         except DataError as e:

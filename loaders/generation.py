@@ -47,7 +47,7 @@ def bucket_generation(chain: TierChain) -> int | None:
     """The generation the region's bucket publishes now; None without a bucket or when it cannot say."""
     if chain.origin is None:
         return None
-    m = chain.manifest_from(chain.origin, MANIFEST, [])
+    m = chain.manifest_from(chain.origin, MANIFEST, [], probe=True)
     return None if m is None else m.generation
 
 

@@ -48,13 +48,19 @@ def _finish(job: subprocess.Popen[str]) -> str:
     return text
 
 
+def _first_generation(tmp: Path, server: SeaweedS3) -> tuple[Path, Path, Path, set[str]]:
+    """A plan, generation 1 published from ``FIRST`` samples: (plan, sources, run folder, its keys)."""
+    plan = gen_plan(tmp, server, local=False)
+    src, out = tmp / "src", tmp / "run"
+    old = add_source(src, "a", FIRST)
+    refresh(src, plan, tmp / "split")
+    out.mkdir()
+    return plan, src, out, old
+
+
 @pytest.mark.slow
 def test_a_refresh_reaches_every_region_at_one_epoch_boundary_with_follow_refresh(aws: SeaweedS3, tmp_path: Path) -> None:
-    plan = gen_plan(tmp_path, aws, local=False)
-    src, out = tmp_path / "src", tmp_path / "run"
-    old = add_source(src, "a", FIRST)
-    refresh(src, plan, tmp_path / "split")
-    out.mkdir()
+    plan, src, out, old = _first_generation(tmp_path, aws)
     job = _train(plan, out, 70, "--follow-refresh")
     _wait_for_steps(out, 3, job)
     new = add_source(src, "b", ADDED)
@@ -82,12 +88,9 @@ def test_a_refresh_reaches_every_region_at_one_epoch_boundary_with_follow_refres
 
 @pytest.mark.slow
 def test_without_follow_refresh_the_job_finishes_on_its_pinned_generation_while_delete_prunes_it(aws: SeaweedS3, tmp_path: Path) -> None:
-    plan = gen_plan(tmp_path, aws, local=False)
-    src, out, split = tmp_path / "src", tmp_path / "run", tmp_path / "split"
-    old = add_source(src, "a", FIRST)
-    refresh(src, plan, split)
+    plan, src, out, old = _first_generation(tmp_path, aws)
+    split = tmp_path / "split"
     first = {r: read_region_manifest(split / r) for r in (US, EU)}
-    out.mkdir()
     job = _train(plan, out, 50)
     _wait_for_steps(out, 3, job)
     for n in (120, 112):  # two nightly refreshes with --delete: the source changes, its old shards are pruned
@@ -115,11 +118,8 @@ def test_without_follow_refresh_the_job_finishes_on_its_pinned_generation_while_
 
 @pytest.mark.slow
 def test_a_resume_after_a_refresh_ends_its_epoch_on_the_checkpoints_generation_then_follows(aws: SeaweedS3, tmp_path: Path) -> None:
-    plan = gen_plan(tmp_path, aws, local=False)
-    src, out, split = tmp_path / "src", tmp_path / "run", tmp_path / "split"
-    old = add_source(src, "a", FIRST)
-    refresh(src, plan, split)
-    out.mkdir()
+    plan, src, out, old = _first_generation(tmp_path, aws)
+    split = tmp_path / "split"
     _finish(_train(plan, out, 15, "--checkpoint-every", "5"))  # stops in epoch 1 (10 steps per epoch)
     new = add_source(src, "b", ADDED)
     refresh(src, plan, split)
