@@ -24,13 +24,14 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from geoshard.env import read_environment
 from geoshard.errors import ConfigError, GeoshardError
+from geoshard.loaders import generation as gen
 from geoshard.loaders.balance import Remainder
 from geoshard.loaders.batching import StatsShipper, item_count, make_items
 from geoshard.loaders.chain import ChainSettings, TierChain, build_chain
 from geoshard.loaders.decode import DecodeSpec, collate, make_decoder, tensor_spec
 from geoshard.loaders.epoch import Layout, per_rank
 from geoshard.loaders.fetchqueue import FetchQueue
-from geoshard.loaders.generation import GenerationGone, LeaseKeeper, Pin, agree, bucket_generation, check_replica, open_generation
+from geoshard.loaders.generation import GenerationGone, LeaseKeeper, Pin
 from geoshard.loaders.handoff import Consumption, EpochStart, WorkerFailure
 from geoshard.loaders.pieces import ChunkMap, RankPieces, rank_pieces
 from geoshard.loaders.reader import PieceFetcher, WorkerReader
@@ -110,7 +111,8 @@ class RegionalDataset(IterableDataset[Any]):
         # The generation this job reads: the newest every rank's region has published (collective).
         self.follow_refresh = follow_refresh
         self._topology = topology
-        self.manifest = manifest or open_generation(self.chain(), agree(topology, bucket_generation(self.chain())))
+        probed = None if manifest else gen.bucket_manifest(self.chain())
+        self.manifest = manifest or gen.open_generation(self.chain(), gen.agree(topology, gen.generation_of(probed)), probed)
         self.decoder = make_decoder(decode, self.manifest.format)
         self.tensors = tensor_spec(decode, self.manifest.format, batch_size)
         self.copy = copy and self.tensors is None  # a TensorSpec copies each field once, into its batch
@@ -120,7 +122,7 @@ class RegionalDataset(IterableDataset[Any]):
         self._share_args = (rank, size, samples_per_rank, remainder)
         self.share, self.balance = find_share(self.region, sum(self._counts), topology, rank, size, samples_per_rank, remainder)
         if manifest is None:
-            check_replica(self.chain(), self.manifest, refresh=self.share.rank == 0)
+            gen.check_replica(self.chain(), self.manifest, refresh=self.share.rank == 0)
         self.generations: dict[int, int] = {}  # epoch -> the generation it read (the report's)
         self._next: tuple[int, Pin] | None = None  # a generation the loader moves to at that epoch (follow_refresh)
         self.lease = LeaseKeeper(self.chain(), lease) if lease and self.share.rank == 0 else None
@@ -169,20 +171,21 @@ class RegionalDataset(IterableDataset[Any]):
         ``epoch`` moves to a newer generation: the newest every rank's region has published."""
         if not self.follow_refresh or (self._next is not None and self._next[0] == epoch):
             return
-        newest = agree(self._topology, bucket_generation(self.chain()))
+        probed = gen.bucket_manifest(self.chain())
+        newest = gen.agree(self._topology, gen.generation_of(probed))
         if newest is None or newest <= self.manifest.generation:
             return
-        pin = self._pin(newest)
+        pin = self._pin(newest, probed)
         self._next = (epoch, pin)
         if self.lease is not None:
             self.lease.hold(self.manifest.generation, newest)  # both, until this epoch ends
         log.info("region %s: epoch %d reads generation %d (was %d)", self.region, epoch, newest, self.manifest.generation)
 
-    def _pin(self, generation: int) -> Pin:
+    def _pin(self, generation: int, probed: RegionManifest | None = None) -> Pin:
         """This rank's arithmetic on ``generation`` (collective where the job's balance is agreed)."""
-        m = open_generation(self.chain(), generation)
+        m = gen.open_generation(self.chain(), generation, probed)
         share, found = find_share(self.region, m.samples, self._topology, *self._share_args)
-        check_replica(self.chain(), m, refresh=share.rank == 0)
+        gen.check_replica(self.chain(), m, refresh=share.rank == 0)
         return Pin(m, share, found, dataclasses.replace(self.layout, samples_per_rank=share.samples_per_rank))
 
     def _apply(self, pin: Pin) -> None:

@@ -43,11 +43,12 @@ class GenerationGone(DataError):
     """The generation a job pinned is no longer in its region's bucket."""
 
 
-def bucket_generation(chain: TierChain) -> int | None:
-    """The generation the region's bucket publishes now; None without a bucket or when it cannot say."""
-    if chain.origin is None:
-        return None
-    m = chain.manifest_from(chain.origin, MANIFEST, [], probe=True)
+def bucket_manifest(chain: TierChain) -> RegionManifest | None:
+    """The manifest the region's bucket publishes now; None without a bucket or when it cannot say."""
+    return None if chain.origin is None else chain.manifest_from(chain.origin, MANIFEST, [], probe=True)
+
+
+def generation_of(m: RegionManifest | None) -> int | None:
     return None if m is None else m.generation
 
 
@@ -59,12 +60,14 @@ def agree(topology: Topology | None, newest: int | None) -> int | None:
     return min(known) if known else None
 
 
-def open_generation(chain: TierChain, generation: int | None) -> RegionManifest:
+def open_generation(chain: TierChain, generation: int | None, probed: RegionManifest | None = None) -> RegionManifest:
     """The region's manifest of ``generation`` (None: what the nearest tier holds, for a region
-    without a bucket): the replica's or the bucket's current one if it is that generation, else
-    the bucket's history copy; ``GenerationGone`` when no tier has it."""
+    without a bucket): ``probed`` (the bucket's, just read) or a tier's current one if it is that
+    generation, else the bucket's history copy; ``GenerationGone`` when no tier has it."""
     if generation is None:
         return chain.read_manifest()
+    if probed is not None and probed.generation == generation:
+        return probed
     failures: list[str] = []
     for tier in chain.tiers:
         m = chain.manifest_from(tier, MANIFEST, failures)
