@@ -278,8 +278,8 @@ class RegionalDataset(IterableDataset[Any]):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        gen = state.get("generation")
-        if isinstance(gen, int) and gen != self.manifest.generation and not self._resume_generation(gen, int(state["epoch"])):
+        saved = state.get("generation")
+        if isinstance(saved, int) and saved != self.manifest.generation and not self._resume_generation(saved, int(state["epoch"])):
             self.epoch = int(state["epoch"]) + 1
             return
         mine = self.state_dict()

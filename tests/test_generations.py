@@ -17,6 +17,9 @@ from synckit import cli, objects
 
 from geoshard.errors import ConfigError
 from geoshard.loaders import ChainSettings, RegionalDataset
+from geoshard.loaders.chain import TierChain
+from geoshard.loaders.generation import LeaseKeeper
+from geoshard.loaders.tier import TierError, TierMissing
 from geoshard.manifest import read_region_manifest
 from geoshard.manifest.lease import Lease, history_path, lease_path
 
@@ -111,3 +114,52 @@ def test_resume_after_a_refresh_continues_the_pinned_generation_and_a_deleted_on
         follow.load_state_dict(state)
     assert follow.epoch == 1 and follow.manifest.generation == 3 and len(set(_keys(follow))) == 96 + 32 + 16
     assert any("epoch 1 starts on generation 3" in r.getMessage() for r in caplog.records)
+
+
+class _Bucket:
+    """An origin tier that records the leases put to it, or refuses them."""
+
+    kind, region, writable, name = "s3", US, False, f"s3:{US}"
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse, self.puts = refuse, []
+
+    def put(self, path: str, data: bytes) -> None:
+        if self.refuse:
+            raise TierError(f"{self.name}: AccessDenied")
+        self.puts.append((path, Lease.parse(data, path)))
+
+    def stat(self, path: str) -> int | None:
+        return None
+
+    def read(self, path: str) -> bytes:
+        raise TierMissing(path)
+
+    view = read
+
+    def read_range(self, path: str, offset: int, length: int, progress: object = None) -> bytes:
+        raise TierMissing(path)
+
+    def remove_corrupt(self, path: str) -> None:
+        pass
+
+
+def test_a_lease_is_renewed_after_a_quarter_of_its_life_and_a_refused_write_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    now = [1000.0]
+    bucket = _Bucket()
+    keeper = LeaseKeeper(TierChain(US, [bucket], origin=bucket), "job-1", ttl_s=400, clock=lambda: now[0])
+    keeper.hold(3, 2)
+    assert bucket.puts == [(lease_path("job-1"), Lease("job-1", US, (2, 3), 1400.0))]
+    now[0] += 99
+    keeper.renew()
+    assert len(bucket.puts) == 1
+    now[0] += 2
+    keeper.renew()
+    assert bucket.puts[-1][1].expires == 1501.0 and len(bucket.puts) == 2
+    refused = _Bucket(refuse=True)
+    keeper = LeaseKeeper(TierChain(US, [refused], origin=refused), "job-1", clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="geoshard.loaders"):
+        keeper.hold(1)
+        keeper.hold(2)
+    said = [r.getMessage() for r in caplog.records if "cannot write the lease" in r.getMessage()]
+    assert len(said) == 1 and "AccessDenied" in said[0] and "_geoshard/leases/job-1.json" in said[0]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from genkit import EU, US, add_source, bucket_of, gen_plan, keys_by_epoch, refresh
 from servers import SeaweedS3
-from synckit import objects
+from synckit import cli, objects
 
 from geoshard.manifest import read_region_manifest
 from geoshard.manifest.lease import LEASES
@@ -133,3 +133,34 @@ def test_a_resume_after_a_refresh_ends_its_epoch_on_the_checkpoints_generation_t
             counts = seen[(r, e)][1]
             assert set(counts) == (old if e < 2 else old | new) and max(counts.values()) == 1, (r, e)
     assert len(epochs) >= 4
+
+
+@pytest.mark.slow
+def test_regions_published_apart_train_on_the_generation_all_have_and_a_stale_replica_is_refreshed(aws: SeaweedS3, tmp_path: Path) -> None:
+    plan = gen_plan(tmp_path, aws)  # with local replicas
+    src, split = tmp_path / "src", tmp_path / "split"
+    old = add_source(src, "a", FIRST)
+    refresh(src, plan, split)
+    replica = {r: tmp_path / "replica" / r for r in (US, EU)}
+    for r in (US, EU):
+        assert cli("pull", "--plan", plan, "--region", r, "--to", replica[r]).exit_code == 0
+    new = add_source(src, "b", ADDED)
+    refresh(src, plan, split, "--region", EU)  # generation 2 reaches eu-west-1 only, and its replica
+    assert cli("pull", "--plan", plan, "--region", EU, "--to", replica[EU]).exit_code == 0
+
+    first = tmp_path / "first"
+    first.mkdir()
+    _finish(_train(plan, first, 12))
+    report = json.loads((first / "report.json").read_text())
+    assert {r: report["regions"][r]["generations"] for r in (US, EU)} == {US: {"0": 1, "1": 1}, EU: {"0": 1, "1": 1}}
+    assert set(keys_by_epoch(first)[(EU, 0)][1]) == old  # eu-west-1 read generation 1 (its bucket's history copy)
+
+    refresh(src, plan, split)  # now us-east-1's bucket too; its replica stays on generation 1
+    assert read_region_manifest(replica[US]).generation == 1
+    second = tmp_path / "second"
+    second.mkdir()
+    _finish(_train(plan, second, 12))
+    report = json.loads((second / "report.json").read_text())
+    assert {r: set(report["regions"][r]["generations"].values()) for r in (US, EU)} == {US: {2}, EU: {2}}
+    assert set(keys_by_epoch(second)[(US, 0)][1]) == old | new
+    assert read_region_manifest(replica[US]).generation == 2  # refreshed through the chain by the region's rank
