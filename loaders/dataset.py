@@ -69,6 +69,10 @@ class RegionalDataset(IterableDataset[Any]):
     ``ConfigError`` saying what to pass.
     """
 
+    generations: dict[int, int]  # epoch -> the generation it read (the report's)
+    _next: tuple[int, Pin] | None  # a generation the loader moves to from that epoch on (follow_refresh)
+    lease: LeaseKeeper | None  # the job's lease, held by the region's first rank
+
     def __init__(
         self,
         plan: Plan | str | os.PathLike[str],
@@ -111,8 +115,7 @@ class RegionalDataset(IterableDataset[Any]):
         # The generation this job reads: the newest every rank's region has published (collective).
         self.follow_refresh = follow_refresh
         self._topology = topology
-        probed = None if manifest else gen.bucket_manifest(self.chain())
-        self.manifest = manifest or gen.open_generation(self.chain(), gen.agree(topology, gen.generation_of(probed)), probed)
+        self.manifest = manifest or gen.open_generation(self.chain(), *gen.agreed(self.chain(), topology))
         self.decoder = make_decoder(decode, self.manifest.format)
         self.tensors = tensor_spec(decode, self.manifest.format, batch_size)
         self.copy = copy and self.tensors is None  # a TensorSpec copies each field once, into its batch
@@ -121,13 +124,7 @@ class RegionalDataset(IterableDataset[Any]):
         size = region_size if region_size is not None else world_size
         self._share_args = (rank, size, samples_per_rank, remainder)
         self.share, self.balance = find_share(self.region, sum(self._counts), topology, rank, size, samples_per_rank, remainder)
-        if manifest is None:
-            gen.check_replica(self.chain(), self.manifest, refresh=self.share.rank == 0)
-        self.generations: dict[int, int] = {}  # epoch -> the generation it read (the report's)
-        self._next: tuple[int, Pin] | None = None  # a generation the loader moves to at that epoch (follow_refresh)
-        self.lease = LeaseKeeper(self.chain(), lease) if lease and self.share.rank == 0 else None
-        if self.lease is not None:
-            self.lease.hold(self.manifest.generation)
+        self._hold(lease, check=manifest is None)
         self.layout = Layout(
             rank=self.share.rank,
             world_size=self.share.size,
@@ -166,13 +163,22 @@ class RegionalDataset(IterableDataset[Any]):
             self._next = None
 
     # -- generations ----------------------------------------------------------------------
+    def _hold(self, lease: str | None, check: bool) -> None:
+        """The generation opened: the replica brought to it (``check``), the job's ``lease`` on it."""
+        if check:
+            gen.check_replica(self.chain(), self.manifest, refresh=self.share.rank == 0)
+        self.generations = {}
+        self._next = None
+        self.lease = LeaseKeeper(self.chain(), lease) if lease and self.share.rank == 0 else None
+        if self.lease is not None:
+            self.lease.hold(self.manifest.generation)
+
     def follow(self, epoch: int) -> None:
         """With ``follow_refresh``, decide (collective: every rank calls it at the same point) whether
         ``epoch`` moves to a newer generation: the newest every rank's region has published."""
         if not self.follow_refresh or (self._next is not None and self._next[0] == epoch):
             return
-        probed = gen.bucket_manifest(self.chain())
-        newest = gen.agree(self._topology, gen.generation_of(probed))
+        newest, probed = gen.agreed(self.chain(), self._topology)
         if newest is None or newest <= self.manifest.generation:
             return
         pin = self._pin(newest, probed)
@@ -215,15 +221,8 @@ class RegionalDataset(IterableDataset[Any]):
                     f"--follow-refresh (follow_refresh=True) to start epoch {epoch + 1} on generation {now}, and keep what a job "
                     "reads with a lease (docs/guarantees.md section 8)"
                 ) from e
-            log.warning(
-                "region %s: the checkpoint read generation %d, which is gone from its bucket: the rest of epoch %d is skipped, "
-                "epoch %d starts on generation %d",
-                self.region,
-                generation,
-                epoch,
-                epoch + 1,
-                now,
-            )
+            said = "region %s: the checkpoint read generation %d, which is gone from its bucket: the rest of epoch %d is skipped, "
+            log.warning(said + "epoch %d starts on generation %d", self.region, generation, epoch, epoch + 1, now)
             return False
 
     @property

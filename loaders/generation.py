@@ -48,8 +48,11 @@ def bucket_manifest(chain: TierChain) -> RegionManifest | None:
     return None if chain.origin is None else chain.manifest_from(chain.origin, MANIFEST, [], probe=True)
 
 
-def generation_of(m: RegionManifest | None) -> int | None:
-    return None if m is None else m.generation
+def agreed(chain: TierChain, topology: Topology | None) -> tuple[int | None, RegionManifest | None]:
+    """The newest generation every rank's region has published (collective), and this region's
+    bucket manifest read to learn it (the one to use where it is that generation)."""
+    probed = bucket_manifest(chain)
+    return agree(topology, None if probed is None else probed.generation), probed
 
 
 def agree(topology: Topology | None, newest: int | None) -> int | None:

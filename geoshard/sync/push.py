@@ -380,14 +380,13 @@ def _history_generation(path: str) -> int | None:
 
 
 def _leased(bucket: Bucket, listing: dict[str, RemoteObject]) -> tuple[set[int], set[str]]:
-    """The generations that live leases name, and those leases' paths (an unreadable lease is kept, and
-    keeps nothing: it is logged)."""
+    """The generations live leases name, and their paths (an unreadable lease stays, keeping nothing)."""
     now = time.time()
     generations: set[int] = set()
     live: set[str] = set()
     for p in (p for p in listing if p.startswith(LEASES + "/")):
         data = bucket.get(p)
-        if data is None:
+        if data is None:  # gone since the listing
             continue
         try:
             lease = Lease.parse(data, bucket.target.url(p))
