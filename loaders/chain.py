@@ -80,6 +80,7 @@ class TierChain:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         egress: EgressCounter | None = None,
+        origin: Tier | None = None,
     ) -> None:
         self.region = region
         self.tiers = list(tiers)
@@ -91,6 +92,8 @@ class TierChain:
         self._warned: set[str] = set()
         # The replica shards fetched from further away are written back to.
         self.local = next((t for t in self.tiers if t.writable and isinstance(t, WritableTier)), None)
+        # The region's own bucket: where generations are published (loaders/generation.py).
+        self.origin = origin
 
     def cooldowns(self) -> dict[str, float]:
         """Tiers cooling down, until when (monotonic clock: the same in every process of a host)."""
@@ -155,30 +158,41 @@ class TierChain:
 
     def read_manifest(self) -> RegionManifest:
         """The region manifest from the nearest tier holding a valid one for this region."""
-        failures = []
+        failures: list[str] = []
         for tier in self.tiers:
-            if not self.healthy(tier):
-                failures.append(f"{tier.name}: cooling down after a failure")
-                continue
-            try:
-                m = parse_region_manifest(tier.read(MANIFEST), f"{tier.name}/{MANIFEST}")
-            except TierMissing as e:
-                failures.append(str(e))
-                continue
-            except TierError as e:
+            m = self.manifest_from(tier, MANIFEST, failures)
+            if m is not None:
+                return m
+        raise AllTiersFailed(f"region {self.region}: no tier has its {MANIFEST}: " + "; ".join(failures))
+
+    def manifest_from(self, tier: Tier, path: str, failures: list[str], probe: bool = False) -> RegionManifest | None:
+        """This region's manifest at ``path`` in ``tier`` (``manifest.json``, or a generation's history
+        copy in a bucket), or None with the reason appended to ``failures``. A ``probe`` (which
+        generation is newest) leaves the tier's counters and health as they were: the shards'
+        reads judge the tier."""
+        if not self.healthy(tier):
+            failures.append(f"{tier.name}: cooling down after a failure")
+            return None
+        try:
+            m = parse_region_manifest(tier.read(path), f"{tier.name}/{path}")
+        except TierMissing as e:
+            failures.append(str(e))
+            return None
+        except TierError as e:
+            if not probe:
                 self.stats.count(tier.name, "errors")
                 self._down_until[tier.name] = self._clock() + self.settings.cooldown_s
-                failures.append(str(e))
-                continue
-            except DataError as e:
-                failures.append(str(e))
-                continue
-            if m.region == self.region:  # another region's bucket holds that region's manifest
-                for s in m.shards:  # a name that is not a shard's could make the local tier touch a user's file
-                    check_shard_path(s.path, f"{tier.name}/{MANIFEST}")
-                return m
-            failures.append(f"{tier.name}: its {MANIFEST} describes region {m.region}")
-        raise AllTiersFailed(f"region {self.region}: no tier has its {MANIFEST}: " + "; ".join(failures))
+            failures.append(str(e))
+            return None
+        except DataError as e:
+            failures.append(str(e))
+            return None
+        if m.region != self.region:  # another region's bucket holds that region's manifest
+            failures.append(f"{tier.name}: its {path} describes region {m.region}")
+            return None
+        for s in m.shards:  # a name that is not a shard's could make the local tier touch a user's file
+            check_shard_path(s.path, f"{tier.name}/{path}")
+        return m
 
     def fetch_chunks(self, shard: ShardEntry, first: int, last: int, progress: Progress | None = None) -> bytes | memoryview:
         """Chunks ``first`` to ``last`` (inclusive) of a shard with chunk hashes, as one buffer, from
@@ -330,6 +344,7 @@ def build_chain(
     if settings.egress_budget is None and plan.egress.budget is not None:
         settings = dataclasses.replace(settings, egress_budget=plan.egress.budget)
     buckets = [r] + ([o for o in plan.regions if o.name != region] if cross else [])
+    origin: Tier | None = None
     for b in buckets:
         if b.bucket_name:
             tiers.append(
@@ -343,4 +358,5 @@ def build_chain(
                     timeout_s=settings.timeout("s3"),
                 )
             )
-    return TierChain(region, tiers, settings, stats, egress=egress)
+            origin = origin or tiers[-1]
+    return TierChain(region, tiers, settings, stats, egress=egress, origin=origin)

@@ -24,6 +24,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from geoshard.env import read_environment
 from geoshard.errors import ConfigError, GeoshardError
+from geoshard.loaders import generation as gen
 from geoshard.loaders.balance import Remainder
 from geoshard.loaders.batching import StatsShipper, item_count, make_items
 from geoshard.loaders.chain import ChainSettings, TierChain, build_chain
@@ -32,6 +33,7 @@ from geoshard.loaders.egress import EgressCounter
 from geoshard.loaders.elastic import epoch_per, own_state, resume_point
 from geoshard.loaders.epoch import Layout, per_rank
 from geoshard.loaders.fetchqueue import FetchQueue
+from geoshard.loaders.generation import GenerationGone, LeaseKeeper, Pin
 from geoshard.loaders.handoff import Consumption, EpochStart, WorkerFailure
 from geoshard.loaders.pieces import ChunkMap, RankPieces, rank_pieces
 from geoshard.loaders.reader import PieceFetcher, WorkerReader
@@ -70,6 +72,10 @@ class RegionalDataset(IterableDataset[Any]):
     ``ConfigError`` saying what to pass.
     """
 
+    generations: dict[int, int]  # epoch -> the generation it read (the report's)
+    _next: tuple[int, Pin] | None  # a generation the loader moves to from that epoch on (follow_refresh)
+    lease: LeaseKeeper | None  # the job's lease, held by the region's first rank
+
     def __init__(
         self,
         plan: Plan | str | os.PathLike[str],
@@ -94,6 +100,8 @@ class RegionalDataset(IterableDataset[Any]):
         manifest: RegionManifest | None = None,
         environ: Mapping[str, str] | None = None,
         copy: bool = True,
+        follow_refresh: bool = False,
+        lease: str | None = None,
     ) -> None:
         super().__init__()
         _check_sizes(prefetch, batch_size)
@@ -109,14 +117,19 @@ class RegionalDataset(IterableDataset[Any]):
         self._inherited_cooldowns: dict[str, float] = {}
         # The rank's cross-region bytes, shared with the workers it forks: one budget for them all.
         self.egress = EgressCounter()
-        self.manifest = manifest or self.chain().read_manifest()
+        # The generation this job reads: the newest every rank's region has published (collective).
+        self.follow_refresh = follow_refresh
+        self._topology = topology
+        self.manifest = manifest or gen.open_generation(self.chain(), *gen.agreed(self.chain(), topology))
         self.decoder = make_decoder(decode, self.manifest.format)
         self.tensors = tensor_spec(decode, self.manifest.format, batch_size)
         self.copy = copy and self.tensors is None  # a TensorSpec copies each field once, into its batch
         self._counts = [s.samples for s in self.manifest.shards]
         rank = region_rank if region_rank is not None else rank
         size = region_size if region_size is not None else world_size
+        self._share_args = (rank, size, samples_per_rank, remainder)
         self.share, self.balance = find_share(self.region, sum(self._counts), topology, rank, size, samples_per_rank, remainder)
+        self._hold(lease, check=manifest is None)
         self.layout = Layout(
             rank=self.share.rank,
             world_size=self.share.size,
@@ -144,6 +157,7 @@ class RegionalDataset(IterableDataset[Any]):
         state = self.__dict__.copy()
         state["_chain"] = None  # clients and sessions are per process; what failed is not
         state["_inherited_cooldowns"] = self._chain.cooldowns() if self._chain is not None else {}
+        state["_topology"] = state["lease"] = None  # process groups and the lease stay with the rank
         return state
 
     # -- epochs, length, state ----------------------------------------------------------
@@ -157,6 +171,72 @@ class RegionalDataset(IterableDataset[Any]):
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+        if self._next is not None and epoch >= self._next[0]:
+            self._apply(self._next[1])
+            self._next = None
+
+    # -- generations ----------------------------------------------------------------------
+    def _hold(self, lease: str | None, check: bool) -> None:
+        """The generation opened: the replica brought to it (``check``), the job's ``lease`` on it."""
+        if check:
+            gen.check_replica(self.chain(), self.manifest, refresh=self.share.rank == 0)
+        self.generations = {}
+        self._next = None
+        self.lease = LeaseKeeper(self.chain(), lease) if lease and self.share.rank == 0 else None
+        if self.lease is not None:
+            self.lease.hold(self.manifest.generation)
+
+    def follow(self, epoch: int) -> None:
+        """With ``follow_refresh``, decide (collective: every rank calls it at the same point) whether
+        ``epoch`` moves to a newer generation: the newest every rank's region has published."""
+        if not self.follow_refresh or (self._next is not None and self._next[0] == epoch):
+            return
+        newest, probed = gen.agreed(self.chain(), self._topology)
+        if newest is None or newest <= self.manifest.generation:
+            return
+        pin = self._pin(newest, probed)
+        self._next = (epoch, pin)
+        if self.lease is not None:
+            self.lease.hold(self.manifest.generation, newest)  # both, until this epoch ends
+        log.info("region %s: epoch %d reads generation %d (was %d)", self.region, epoch, newest, self.manifest.generation)
+
+    def _pin(self, generation: int, probed: RegionManifest | None = None) -> Pin:
+        """This rank's arithmetic on ``generation`` (collective where the job's balance is agreed)."""
+        m = gen.open_generation(self.chain(), generation, probed)
+        share, found = find_share(self.region, m.samples, self._topology, *self._share_args)
+        gen.check_replica(self.chain(), m, refresh=share.rank == 0)
+        return Pin(m, share, found, dataclasses.replace(self.layout, samples_per_rank=share.samples_per_rank))
+
+    def _apply(self, pin: Pin) -> None:
+        self.manifest, self.share, self.balance, self.layout = pin.manifest, pin.share, pin.balance, pin.layout
+        self._counts = [s.samples for s in pin.manifest.shards]
+        if self.lease is not None:
+            self.lease.hold(pin.manifest.generation)
+
+    def _at(self, epoch: int) -> Pin:
+        """What ``epoch`` reads: the pending generation from its epoch on, else the current one."""
+        if self._next is not None and epoch >= self._next[0]:
+            return self._next[1]
+        return Pin(self.manifest, self.share, self.balance, self.layout)
+
+    def _resume_generation(self, generation: int, epoch: int) -> bool:
+        """Go back to a checkpoint's ``generation`` while it is readable (True). Where it is gone:
+        with ``follow_refresh``, epoch ``epoch + 1`` starts on this generation (False); without, a
+        one-line error saying what to do."""
+        try:
+            self._apply(self._pin(generation))
+            return True
+        except GenerationGone as e:
+            now = self.manifest.generation
+            if not self.follow_refresh:
+                raise ConfigError(
+                    f"region {self.region}: the checkpoint read generation {generation}, which is gone from its bucket; resume with "
+                    f"--follow-refresh (follow_refresh=True) to start epoch {epoch + 1} on generation {now}, and keep what a job "
+                    "reads with a lease (docs/guarantees.md section 11)"
+                ) from e
+            said = "region %s: the checkpoint read generation %d, which is gone from its bucket: the rest of epoch %d is skipped, "
+            log.warning(said + "epoch %d starts on generation %d", self.region, generation, epoch, epoch + 1, now)
+            return False
 
     @property
     def samples_per_epoch(self) -> int:
@@ -221,6 +301,10 @@ class RegionalDataset(IterableDataset[Any]):
         """Continue from this rank's ``state_dict()``, exactly; or from ``region_states(...)`` (every
         saved rank of the region), which also resumes on another rank count (``elastic.py``)."""
         saved = own_state(state, self.rank)
+        pinned = saved.get("generation") if saved is not None else None
+        if isinstance(pinned, int) and pinned != self.manifest.generation and not self._resume_generation(pinned, int(state["epoch"])):
+            self.epoch = int(state["epoch"]) + 1  # its generation is gone: the next epoch on this one
+            return
         if saved is not None:
             self._check(saved)
         point = resume_point(state, self._counts, self.layout)
@@ -244,6 +328,9 @@ class RegionalDataset(IterableDataset[Any]):
 
     def begin(self, num_workers: int, *, tagged: bool = False) -> EpochStart:
         """Begin an iteration of the current epoch: its start, from a loaded state or from zero."""
+        self.generations[self.epoch] = self.manifest.generation
+        if self.lease is not None:
+            self.lease.renew()
         return self.consumption.begin(self.epoch, num_workers, tagged)
 
     @contextlib.contextmanager
@@ -282,9 +369,11 @@ class RegionalDataset(IterableDataset[Any]):
     def rank_pieces(self, start: EpochStart) -> RankPieces:
         """Per logical worker of this rank: its pieces (after its skip), their places in the rank's
         fetch order, and its stream (shards, indices). The same in every process of the rank."""
-        layout = dataclasses.replace(self.layout, num_workers=start.num_workers)
-        cmap = ChunkMap(self.manifest.shards, self.chain().reads_chunks)
-        return rank_pieces(self._counts, cmap, layout, start.epoch, start.skips, start.rotation, start.segments)
+        pin = self._at(start.epoch)
+        layout = dataclasses.replace(pin.layout, num_workers=start.num_workers)
+        cmap = ChunkMap(pin.manifest.shards, self.chain().reads_chunks)
+        counts = [s.samples for s in pin.manifest.shards]
+        return rank_pieces(counts, cmap, layout, start.epoch, start.skips, start.rotation, start.segments)
 
     def fetch_queue(self, start: EpochStart) -> FetchQueue:
         """The rank's fetch order for an iteration beginning at ``start`` (made before the workers fork)."""
@@ -297,7 +386,7 @@ class RegionalDataset(IterableDataset[Any]):
         if not (isinstance(fq, FetchQueue) and fq.size == sum(map(len, rp.places))):
             fq = None  # not this iteration's layout (or no queue): pieces go at once
         mine = rp.workers[worker]
-        fetcher = PieceFetcher(self.chain(), self.manifest, mine.pieces, rp.places[worker], fq, self.copy)
+        fetcher = PieceFetcher(self.chain(), self._at(start.epoch).manifest, mine.pieces, rp.places[worker], fq, self.copy)
         return WorkerReader(fetcher, mine, rp.streams[worker], self.prefetch, self.decoder)
 
     def _generate(self, worker: int, start: EpochStart, count: bool) -> Iterator[Any]:

@@ -71,6 +71,8 @@ class RegionalLoader(DataLoader[Any]):
 
         ``lookahead`` batches before an epoch ends, the next epoch's workers start, so its first
         shards are fetched while this epoch drains instead of after it: no stall at the boundary.
+        With ``follow_refresh`` the next epoch's generation is agreed there too, so an epoch that
+        moves to a new generation starts its workers as early as any other.
         """
         it = iter(self)
         while True:
@@ -83,7 +85,10 @@ class RegionalLoader(DataLoader[Any]):
                 if nxt is None and self.num_workers and left <= self.lookahead:
                     # (Forking in a helper thread would hide its cost, but workers forked off a
                     # non-main thread die at start-up here; DataLoader expects the main thread.)
+                    ds.follow(ds.epoch + 1)  # every rank is at this batch now: the generation is agreed here
                     nxt = self._spawn(EpochStart.fresh(ds.epoch + 1, self.num_workers, tagged=True))
+            if nxt is None:
+                ds.follow(ds.epoch + 1)
             ds.set_epoch(ds.epoch + 1)
             started = ds.begin(max(self.num_workers, 1), tagged=True)  # the consumer's position: the new epoch's start
             it = self._unwrap(nxt) if nxt is not None else self._unwrap(self._spawn(started))
@@ -142,6 +147,8 @@ class RegionalLoader(DataLoader[Any]):
         return len(self.dataset)
 
     def set_epoch(self, epoch: int) -> None:
+        """With ``follow_refresh``, collective: every rank sets the same epoch (its generation is agreed)."""
+        self.dataset.follow(epoch)
         self.dataset.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:

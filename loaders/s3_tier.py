@@ -77,3 +77,12 @@ class S3Tier(TierDefaults):
         if length <= 0:
             return b""
         return self._get(path, progress, Range=f"bytes={offset}-{offset + length - 1}")
+
+    def put(self, path: str, data: bytes) -> None:
+        """A small object (a job's lease): the one kind of write a loader makes to a bucket."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(path), Body=data)
+        except (ClientError, BotoCoreError) as e:
+            raise self._fail(path, e) from e

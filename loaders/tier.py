@@ -57,6 +57,13 @@ class WritableTier(Tier, Protocol):
     def remove(self, path: str) -> None: ...
 
 
+@runtime_checkable
+class BucketTier(Tier, Protocol):
+    """A bucket the loader also writes small objects to: its job's lease (loaders/generation.py)."""
+
+    def put(self, path: str, data: bytes) -> None: ...
+
+
 class TierDefaults:
     """What a read-only tier gets for free from its ``read``: subclass it and add ``stat``/``read``."""
 

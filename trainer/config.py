@@ -82,6 +82,7 @@ class TrainConfig:
     metrics_host: str = "127.0.0.1"  # the address the metrics bind: 0.0.0.0 for a Prometheus on another host
     budget: float = 0.05
     log_keys: bool = False  # every step's sample keys into keys-rank{R}.jsonl (for audits and tests)
+    follow_refresh: bool = False  # at an epoch boundary, move to the newest generation every region published
     allow_cross_region: bool | None = None  # None: the plan's [egress] cross_region (off unless set)
     collective_timeout: int = 600  # seconds a collective may wait for a peer before the rank fails
     model: str = "mlp"  # the built-in MLP (WebDataset img/cls samples), or "none": any layout, data only

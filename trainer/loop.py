@@ -12,12 +12,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import hashlib
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TextIO
 
 import torch
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from geoshard.errors import ConfigError, DataError
-from geoshard.loaders import RegionalLoader, make_loader
+from geoshard.loaders import RegionalDataset, RegionalLoader, make_loader
 from geoshard.plan import load_plan
 from geoshard.trainer.checkpoint import CheckpointStore, loader_position
 from geoshard.trainer.comm import CommState, hierarchical_hook, resolve_sync, timed_allreduce_hook
@@ -126,6 +129,14 @@ class Run:
     segment: int
 
 
+def lease_name(out: Path) -> str:
+    """The job's lease in each bucket (docs/guarantees.md section 11): named by its run folder, so a
+    resumed run renews the lease its first segment took."""
+    where = out.resolve()
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", where.name)[:40].lstrip("._-") or "run"
+    return f"{name}-{hashlib.sha256(str(where).encode()).hexdigest()[:12]}"
+
+
 def loader_key(region: str, region_rank: int) -> str:
     """A loader position is keyed by region and rank within it: a restart may renumber global ranks."""
     return f"{region}/{region_rank}"
@@ -184,6 +195,8 @@ def _make_loader(cfg: TrainConfig, ctx: RankContext) -> RegionalLoader:
         prefetch=cfg.prefetch,
         shuffle_buffer=cfg.shuffle_buffer,
         allow_cross_region=cfg.allow_cross_region,
+        follow_refresh=cfg.follow_refresh,
+        lease=lease_name(cfg.out),
     )
 
 
@@ -222,6 +235,7 @@ def _with_job(summary: RankSummary, cfg: TrainConfig, ctx: RankContext, loader: 
         egress_budget=ds.settings.egress_budget if ds.settings.egress_budget is not None else load_plan(cfg.plan).egress.budget,
         utilization_target=cfg.utilization_target,
         steps_redone=redone,
+        generations={str(e): g for e, g in sorted(ds.generations.items())},
     )
 
 
@@ -289,7 +303,7 @@ def _loop(run: Run, step: int) -> RankSummary:
         step += 1
         samples += got.samples
         if run.keys_log is not None:  # before the checkpoint: a resume after it never redoes this step
-            _log_keys(run.keys_log, step, ctx.region, got.keys)
+            _log_keys(run.keys_log, step, ctx.region, run.loader.dataset, got.keys)
         outer_s, ckpt = _after_step(run, step)
         comm_s, intra_s, cross_s, cross_bytes = run.comm.take()
         record = StepRecord(
@@ -347,8 +361,10 @@ def _micro_batches(run: Run, batches: Iterator[Any]) -> _Batches:
     return _Batches(wait, compute, loss, n, keys, handed)
 
 
-def _log_keys(f: TextIO, step: int, region: str, keys: list[str]) -> None:
-    f.write(json.dumps({"step": step, "region": region, "keys": keys}) + "\n")
+def _log_keys(f: TextIO, step: int, region: str, ds: RegionalDataset, keys: list[str]) -> None:
+    """One line per step: its keys, and the epoch and generation of its (last) batch."""
+    record = {"step": step, "region": region, "epoch": ds.epoch, "generation": ds.manifest.generation, "keys": keys}
+    f.write(json.dumps(record) + "\n")
     f.flush()
 
 

@@ -107,6 +107,11 @@ _OPTIONS = [
     click.option("--budget", default=0.05, show_default=True, type=float, help="IO-wait budget, a share of wall time."),
     click.option("--log-keys/--no-log-keys", default=False, help="Record every step's sample keys (audits)."),
     click.option(
+        "--follow-refresh/--no-follow-refresh",
+        default=False,
+        help="Move every region to the newest generation all regions have published, at an epoch boundary (docs/cron.md).",
+    ),
+    click.option(
         "--allow-cross-region/--no-allow-cross-region",
         default=None,
         help="Read other regions' buckets as a last resort [default: the plan's [egress] cross_region, off unless set].",

@@ -181,12 +181,21 @@ def _regions(runs: Mapping[int, RankRun], ranks: list[dict[str, Any]]) -> dict[s
             # StepLog's summary has only the loader's figures (per epoch, over the region's ranks).
             "left_out_per_epoch": _or_loader(first.left_out_per_epoch, [x.dropped_samples for x in loaders]),
             "repeated_per_epoch": _or_loader(first.repeated_per_epoch, [x.padded_samples for x in loaders]),
+            "generations": _generations(first),
         }
     return out
 
 
 def _or_loader(own: int | None, loader: list[int]) -> int | None:
     return own if own is not None else max(loader, default=None)
+
+
+def _generations(summary: RankSummary) -> dict[str, int]:
+    """The generation each epoch of the region read, over the rank's segments (a resume, a restart)."""
+    out: dict[str, int] = {}
+    for seg in [*(summary.earlier_segments or ()), summary]:
+        out.update(seg.generations or {})
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0))
 
 
 def _left_out_per_epoch(summaries: Iterable[RankSummary]) -> int:

@@ -72,6 +72,7 @@ class RankSummary:
     egress_budget: int | None = None
     utilization_target: float | None = None
     steps_redone: int | None = None
+    generations: dict[str, int] | None = None  # epoch -> the generation its region read
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"version": SUMMARY_VERSION}
@@ -150,6 +151,10 @@ def _is_str(v: Any) -> bool:
     return isinstance(v, str)
 
 
+def _is_generations(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and _is_int(g) and g >= 0 for k, g in v.items())
+
+
 _INT_FIELDS = (
     "world_size",
     "steps",
@@ -168,4 +173,5 @@ _KINDS = {
     **{k: _is_int for k in _INT_FIELDS},
     **{k: _is_number for k in ("wall_s", "time_to_first_batch_s", "gpu_util", "utilization_target")},
     **{k: _is_str for k in ("region", "backend", "device", "sync")},
+    "generations": _is_generations,
 }

@@ -190,7 +190,7 @@ def _ranks_table(r: Mapping[str, Any]) -> Table:
 
 def _regions_table(r: Mapping[str, Any]) -> Table:
     table = Table(title="regions", title_justify="left")
-    for col in ("region", "ranks", "IO wait", "after 1st", "1st batch", "read", "per epoch", "left out", "repeated"):
+    for col in ("region", "ranks", "IO wait", "after 1st", "1st batch", "read", "per epoch", "left out", "repeated", "generation"):
         table.add_column(col, justify="left" if col == "region" else "right", no_wrap=True)
     for name, g in r["regions"].items():
         table.add_row(
@@ -203,6 +203,7 @@ def _regions_table(r: Mapping[str, Any]) -> Table:
             _count(g["samples_per_epoch"]),
             _count(g["left_out_per_epoch"]),
             _count(g["repeated_per_epoch"]),
+            _generation_runs(g.get("generations") or {}),
         )
     steps = f"{human_bytes(r['cross_region_grad_bytes_per_step'])} per step" if r.get("cross_region_grad_bytes_per_step") else "none"
     if r.get("grad_sync_measured", True):
@@ -214,6 +215,19 @@ def _regions_table(r: Mapping[str, Any]) -> Table:
     table.caption = f"across regions: data {human_bytes(r['cross_region_data_bytes'])} (goal 0), gradients {steps}; {sync}"
     table.caption_justify = "left"
     return table
+
+
+def _generation_runs(gens: Mapping[str, int]) -> str:
+    """Epochs by generation: ``1 (epochs 0-2), 2 (3-4)``; one generation alone is its number."""
+    runs: list[list[Any]] = []  # [generation, first epoch, last epoch]
+    for epoch, gen in gens.items():
+        if runs and runs[-1][0] == gen:
+            runs[-1][2] = epoch
+        else:
+            runs.append([gen, epoch, epoch])
+    if len(runs) <= 1:
+        return str(runs[0][0]) if runs else "-"
+    return ", ".join(f"{g} (epochs {a}-{b})" if a != b else f"{g} (epoch {a})" for g, a, b in runs)
 
 
 MAX_ROUND_ROWS = 12

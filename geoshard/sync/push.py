@@ -22,6 +22,7 @@ from typing import Any
 
 from geoshard.errors import DataError, GeoshardError, SyncError
 from geoshard.manifest import RegionManifest, ShardEntry, parse_region_manifest, read_manifest, read_region_manifest
+from geoshard.manifest.lease import LEASES, Lease, history_path
 from geoshard.plan import Plan
 from geoshard.s3 import REQUEST_TIMEOUT_S
 from geoshard.sync.etag_cache import ETAG_CACHE as ETAG_CACHE  # re-exported: its import path before the split
@@ -267,7 +268,7 @@ def _publish(
     # Readers only open manifest.json, so the history copy (for --delete's bookkeeping) can go up
     # while the check runs; manifest.json itself only after every shard it names is verified.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        history = pool.submit(bucket.put, f"{HISTORY}/{local.generation:08d}.json", data)
+        history = pool.submit(bucket.put, history_path(local.generation), data)
         after = bucket.listing([sh.path for sh in local.shards]) if listing is None else listing
         for s in local.shards:
             obj = after.get(s.path)
@@ -352,20 +353,50 @@ def _upload(
 
 
 def _unreferenced(bucket: Bucket, listing: dict[str, RemoteObject], current: RegionManifest, keep: int) -> list[str]:
-    """Objects under the prefix that neither this manifest nor the ``keep`` previous ones name."""
-    history = sorted((p for p in listing if p.startswith(HISTORY + "/")), reverse=True)
-    kept_history = [f"{HISTORY}/{current.generation:08d}.json"]
+    """Objects under the prefix that neither this manifest, the ``keep`` previous ones, nor a
+    generation a live lease names (docs/guarantees.md section 11) need. Expired leases go too."""
+    leased, live_leases = _leased(bucket, listing)
+    kept_history = [history_path(current.generation)]
     referenced = {s.path for s in current.shards}
-    for p in history:
-        if p in kept_history or len(kept_history) > keep:
+    previous = 0
+    for p in sorted((p for p in listing if p.startswith(HISTORY + "/")), reverse=True):
+        gen = _history_generation(p)
+        if p in kept_history or gen is None or gen >= current.generation or (previous >= keep and gen not in leased):
             continue
         data = bucket.get(p)
         if data is None:
             continue
         m = parse_region_manifest(data, bucket.target.url(p))
-        if m.generation >= current.generation:
-            continue
+        previous += 1
         kept_history.append(p)
         referenced |= {s.path for s in m.shards}
-    keep_set = referenced | set(kept_history) | {MANIFEST}
+    if missing := leased - {current.generation} - {_history_generation(p) for p in kept_history}:
+        log.warning("%s: generation(s) %s named by a live lease have no history manifest here", bucket.target.region, sorted(missing))
+    keep_set = referenced | set(kept_history) | live_leases | {MANIFEST}
     return sorted(p for p in listing if p not in keep_set)
+
+
+def _history_generation(path: str) -> int | None:
+    stem = path.rsplit("/", 1)[-1].removesuffix(".json")
+    return int(stem) if stem.isdigit() else None
+
+
+def _leased(bucket: Bucket, listing: dict[str, RemoteObject]) -> tuple[set[int], set[str]]:
+    """The generations live leases name, and their paths (an unreadable lease stays, keeping nothing)."""
+    now = time.time()
+    generations: set[int] = set()
+    live: set[str] = set()
+    for p in (p for p in listing if p.startswith(LEASES + "/")):
+        data = bucket.get(p)
+        if data is None:  # gone since the listing
+            continue
+        try:
+            lease = Lease.parse(data, bucket.target.url(p))
+        except DataError as e:
+            log.warning("%s: %s; the lease is left in place and keeps no generation", bucket.target.region, e.message)
+            live.add(p)
+            continue
+        if lease.live(now):
+            generations |= set(lease.generations)
+            live.add(p)
+    return generations, live

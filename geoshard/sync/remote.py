@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from geoshard.errors import ConfigError, StorageError
+from geoshard.manifest.lease import HISTORY as HISTORY  # re-exported: its import path before leases
 from geoshard.plan import Region
 from geoshard.s3 import REQUEST_TIMEOUT_S, classify, s3_client
 from geoshard.util.endpoints import display_endpoint
@@ -21,7 +22,6 @@ from geoshard.util.hashing import new as new_hash
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
-HISTORY = "_geoshard/manifests"  # previous region manifests, by generation
 _PAGE = 1000  # keys per LIST page (the S3 maximum)
 
 
