@@ -33,7 +33,7 @@ from geoshard.loaders.egress import EgressCounter
 from geoshard.loaders.elastic import epoch_per, own_state, resume_point
 from geoshard.loaders.epoch import Layout, per_rank
 from geoshard.loaders.fetchqueue import FetchQueue
-from geoshard.loaders.generation import GenerationGone, LeaseKeeper, Pin
+from geoshard.loaders.following import FollowsGenerations
 from geoshard.loaders.handoff import Consumption, EpochStart, WorkerFailure
 from geoshard.loaders.pieces import ChunkMap, RankPieces, rank_pieces
 from geoshard.loaders.reader import PieceFetcher, WorkerReader
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 STATE_VERSION = 3
 
 
-class RegionalDataset(IterableDataset[Any]):
+class RegionalDataset(FollowsGenerations, IterableDataset[Any]):
     """Samples of one region, split across ranks and DataLoader workers with equal counts per rank.
 
     ``RegionalDataset(plan, region="eu-west-1", shuffle=False, seed=0)`` yields, for WebDataset,
@@ -71,10 +71,6 @@ class RegionalDataset(IterableDataset[Any]):
     single-region job uses the global rank and world size; a job whose ranks span regions is a
     ``ConfigError`` saying what to pass.
     """
-
-    generations: dict[int, int]  # epoch -> the generation it read (the report's)
-    _next: tuple[int, Pin] | None  # a generation the loader moves to from that epoch on (follow_refresh)
-    lease: LeaseKeeper | None  # the job's lease, held by the region's first rank
 
     def __init__(
         self,
@@ -171,72 +167,7 @@ class RegionalDataset(IterableDataset[Any]):
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
-        if self._next is not None and epoch >= self._next[0]:
-            self._apply(self._next[1])
-            self._next = None
-
-    # -- generations ----------------------------------------------------------------------
-    def _hold(self, lease: str | None, check: bool) -> None:
-        """The generation opened: the replica brought to it (``check``), the job's ``lease`` on it."""
-        if check:
-            gen.check_replica(self.chain(), self.manifest, refresh=self.share.rank == 0)
-        self.generations = {}
-        self._next = None
-        self.lease = LeaseKeeper(self.chain(), lease) if lease and self.share.rank == 0 else None
-        if self.lease is not None:
-            self.lease.hold(self.manifest.generation)
-
-    def follow(self, epoch: int) -> None:
-        """With ``follow_refresh``, decide (collective: every rank calls it at the same point) whether
-        ``epoch`` moves to a newer generation: the newest every rank's region has published."""
-        if not self.follow_refresh or (self._next is not None and self._next[0] == epoch):
-            return
-        newest, probed = gen.agreed(self.chain(), self._topology)
-        if newest is None or newest <= self.manifest.generation:
-            return
-        pin = self._pin(newest, probed)
-        self._next = (epoch, pin)
-        if self.lease is not None:
-            self.lease.hold(self.manifest.generation, newest)  # both, until this epoch ends
-        log.info("region %s: epoch %d reads generation %d (was %d)", self.region, epoch, newest, self.manifest.generation)
-
-    def _pin(self, generation: int, probed: RegionManifest | None = None) -> Pin:
-        """This rank's arithmetic on ``generation`` (collective where the job's balance is agreed)."""
-        m = gen.open_generation(self.chain(), generation, probed)
-        share, found = find_share(self.region, m.samples, self._topology, *self._share_args)
-        gen.check_replica(self.chain(), m, refresh=share.rank == 0)
-        return Pin(m, share, found, dataclasses.replace(self.layout, samples_per_rank=share.samples_per_rank))
-
-    def _apply(self, pin: Pin) -> None:
-        self.manifest, self.share, self.balance, self.layout = pin.manifest, pin.share, pin.balance, pin.layout
-        self._counts = [s.samples for s in pin.manifest.shards]
-        if self.lease is not None:
-            self.lease.hold(pin.manifest.generation)
-
-    def _at(self, epoch: int) -> Pin:
-        """What ``epoch`` reads: the pending generation from its epoch on, else the current one."""
-        if self._next is not None and epoch >= self._next[0]:
-            return self._next[1]
-        return Pin(self.manifest, self.share, self.balance, self.layout)
-
-    def _resume_generation(self, generation: int, epoch: int) -> bool:
-        """Go back to a checkpoint's ``generation`` while it is readable (True). Where it is gone:
-        with ``follow_refresh``, epoch ``epoch + 1`` starts on this generation (False); without, a
-        one-line error saying what to do."""
-        try:
-            self._apply(self._pin(generation))
-            return True
-        except GenerationGone as e:
-            now = self.manifest.generation
-            if not self.follow_refresh:
-                raise ConfigError(
-                    f"region {self.region}: the checkpoint read generation {generation}, which is gone from its bucket; resume with "
-                    f"--follow-refresh (follow_refresh=True) to start epoch {epoch + 1} on generation {now}, and keep what a job "
-                    "reads with a lease (docs/guarantees.md section 11)"
-                ) from e
-            said = "region %s: the checkpoint read generation %d, which is gone from its bucket: the rest of epoch %d is skipped, "
-            log.warning(said + "epoch %d starts on generation %d", self.region, generation, epoch, epoch + 1, now)
-            return False
+        self._move_to(epoch)
 
     @property
     def samples_per_epoch(self) -> int:
