@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from geoshard.errors import ConfigError, DataError, StorageError
 from geoshard.loaders.stats import LoaderStats
 from geoshard.loaders.tier import Progress, Tier, TierError, TierMissing, WritableTier, make_tier
-from geoshard.manifest import MANIFEST, RegionManifest, ShardEntry, parse_region_manifest
+from geoshard.manifest import MANIFEST, RegionManifest, ShardChunks, ShardEntry, chunkindex, parse_region_manifest
 from geoshard.plan import Plan
 from geoshard.util.hashing import verify_digest, xxh3_128
 from geoshard.util.paths import check_shard_path
@@ -88,6 +88,7 @@ class TierChain:
         self._warned: set[str] = set()
         # The replica shards fetched from further away are written back to.
         self.local = next((t for t in self.tiers if t.writable and isinstance(t, WritableTier)), None)
+        self._chunks: dict[str, ShardChunks] = {}  # chunk indexes fetched by this process, by shard
 
     def cooldowns(self) -> dict[str, float]:
         """Tiers cooling down, until when (monotonic clock: the same in every process of a host)."""
@@ -166,11 +167,44 @@ class TierChain:
                 failures.append(str(e))
                 continue
             if m.region == self.region:  # another region's bucket holds that region's manifest
-                for s in m.shards:  # a name that is not a shard's could make the local tier touch a user's file
-                    check_shard_path(s.path, f"{tier.name}/{MANIFEST}")
+                for path in m.table.paths():  # a name that is not a shard's could make the local tier touch a user's file
+                    check_shard_path(path, f"{tier.name}/{MANIFEST}")
                 return m
             failures.append(f"{tier.name}: its {MANIFEST} describes region {m.region}")
         raise AllTiersFailed(f"region {self.region}: no tier has its {MANIFEST}: " + "; ".join(failures))
+
+    def with_chunks(self, shard: ShardEntry) -> ShardEntry:
+        """``shard`` with its chunks from its chunk index (``<shard>.chunks`` of a version 2
+        manifest), fetched once per process from the nearest tier whose copy matches the entry's
+        digest; unchanged without an index, or when no tier has it intact (then read whole)."""
+        if shard.chunks is not None or not shard.chunk_index:
+            return shard
+        chunks = self._chunks.get(shard.path)
+        if chunks is None:
+            try:
+                chunks = self._nearest(shard, 0, " chunk index", lambda tier, failures: self._try_index(tier, shard, failures))[1]
+            except AllTiersFailed as e:
+                log.warning("%s; reading the shard whole", e)
+                return shard
+            self._chunks[shard.path] = chunks
+        return dataclasses.replace(shard, chunks=chunks)
+
+    def _try_index(self, tier: Tier, shard: ShardEntry, failures: list[str]) -> ShardChunks | None:
+        name = chunkindex.index_name(shard.path)
+        got = self._attempt(tier, failures, lambda: tier.read(name))
+        if got is None:
+            return None
+        data, t0 = got
+        try:
+            if chunkindex.digest(data) != shard.chunk_index:
+                raise DataError(f"{name} does not match the chunk_index of its manifest")
+            chunks = ShardChunks.from_index(data, name, shard.bytes, shard.samples)
+        except DataError as e:
+            self.stats.count(tier.name, "verify_failures")
+            failures.append(f"{tier.name}: {e}")
+            return None
+        self.stats.hit(tier.name, len(data), self._clock() - t0)
+        return chunks
 
     def fetch_chunks(self, shard: ShardEntry, first: int, last: int, progress: Progress | None = None) -> bytes | memoryview:
         """Chunks ``first`` to ``last`` (inclusive) of a shard with chunk hashes, as one buffer, from

@@ -250,7 +250,7 @@ class RegionalDataset(IterableDataset[Any]):
         """Per logical worker of this rank: its pieces (after its skip), their places in the rank's
         fetch order, and its stream (shards, indices). The same in every process of the rank."""
         layout = dataclasses.replace(self.layout, num_workers=start.num_workers)
-        cmap = ChunkMap(self.manifest.shards, self.chain().reads_chunks)
+        cmap = ChunkMap(self.manifest.shards, self.chain().reads_chunks, self.chain().with_chunks)
         return rank_pieces(self._counts, cmap, layout, start.epoch, start.skips, start.rotation)
 
     def fetch_queue(self, start: EpochStart) -> FetchQueue:

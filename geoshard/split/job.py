@@ -55,6 +55,7 @@ class SplitSettings:
     created: str | None = None  # fixed creation time (SOURCE_DATE_EPOCH) for reproducible manifests
     incremental: bool = False  # re-split only groups whose sources changed, add new sources as new groups
     allow_truncated_tar: bool = False  # split tars that end without end-of-archive blocks; SplitResult.truncated names them
+    manifest_version: int = 1  # 2: one entry per shard, each shard's chunk index beside it (docs/manifest.md)
 
 
 @dataclass(frozen=True)
@@ -326,7 +327,7 @@ def _manifests(
         mine = [s for r in results for s in r.shards if s.region == name]
         fresh = [ShardEntry(s.name, s.samples, s.bytes, s.sha256, s.group, s.xxh3_128, s.chunks) for s in mine]
         shards = tuple(sorted(fresh + kept[0].get(name, []), key=lambda e: e.path))
-        rm = RegionManifest(region=name, format=fmt, generation=generation, plan_sha256=plan_sha, shards=shards)
+        rm = RegionManifest(name, fmt, generation, plan_sha, shards, settings.manifest_version)
         regions[name] = rm
         summaries[name] = RegionSummary(
             manifest=f"{name}/{MANIFEST}", shards=len(shards), samples=rm.samples, bytes=rm.bytes, sha256=manifest_sha(rm)
