@@ -6,8 +6,11 @@ generous enough for a loaded machine; the benchmark holds the goals (docs/benchm
 
 from __future__ import annotations
 
+import io
 import json
+import shutil
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -174,3 +177,26 @@ def test_sync_uploads_the_chunk_indexes_and_train_reads_the_split_by_chunks(spli
     # Read by chunks, each index first: whole shards would be at most one request per shard (a
     # boundary shard twice) and one per index; none failed its check.
     assert s3["verify_failures"] == 0 and s3["hits"] > 2 * len(m.shards) + 1, s3
+
+
+def test_an_incremental_split_keeps_version_2_and_every_shards_index(split2: Path, tmp_path: Path) -> None:
+    from geoshard.plan import load_plan
+    from geoshard.split import SplitSettings, run_split
+
+    base = split2.parent.parent
+    out, corpus = tmp_path / "split", tmp_path / "corpus"
+    shutil.copytree(base / "split", out)
+    shutil.copytree(base / "corpus", corpus)
+    with tarfile.open(corpus / "more.tar", "w") as tar:  # a new source: keys of its own
+        for i in range(500):
+            for ext, body in (("bin", bytes(3000)), ("cls", b"1")):
+                info = tarfile.TarInfo(f"more-{i:05d}.{ext}")
+                info.size = len(body)
+                tar.addfile(info, io.BytesIO(body))
+    result = run_split([str(corpus)], load_plan(base / "plan.toml"), SplitSettings(out=out, workers=1, incremental=True))
+    assert result.groups_run and not result.unchanged
+    m = read_region_manifest(out / EU)
+    assert m.version == 2 and m.samples == 4500
+    for s in m.shards:
+        index = (out / EU / chunkindex.index_name(s.path)).read_bytes()
+        assert chunkindex.digest(index) == s.chunk_index

@@ -81,9 +81,9 @@ def main(verbose: int) -> None:
 @click.option(
     "--manifest-version",
     type=click.Choice(["1", "2"]),
-    default="1",
     help="Region manifests: 1 lists each shard's chunk hashes inline; 2 keeps one entry per shard and "
-    "writes each shard's chunk index beside it (<shard>.chunks), for regions of 10^5 shards (docs/manifest.md).",
+    "writes each shard's chunk index beside it (<shard>.chunks), for regions of 10^5 shards (docs/manifest.md). "
+    "Default: the version of the split already in --out, else 1.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def split(
@@ -97,7 +97,7 @@ def split(
     endpoint: str | None,
     replace: bool,
     allow_truncated_tar: bool,
-    manifest_version: str,
+    manifest_version: str | None,
     as_json: bool,
 ) -> None:
     """Re-shard SOURCE... by region following --plan into --out."""
@@ -117,7 +117,7 @@ def split(
         replace=replace,
         created=created_time(),
         allow_truncated_tar=allow_truncated_tar,
-        manifest_version=int(manifest_version),
+        manifest_version=int(manifest_version) if manifest_version else None,
     )
     with split_progress(enabled=not as_json) as progress:
         result = run_split(list(sources), plan, settings, progress=progress.update)
