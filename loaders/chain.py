@@ -25,7 +25,6 @@ from geoshard.loaders.tier import Progress, Tier, TierError, TierMissing, Writab
 from geoshard.manifest import MANIFEST, RegionManifest, ShardChunks, ShardEntry, chunkindex, parse_region_manifest
 from geoshard.plan import Plan
 from geoshard.util.hashing import verify_digest, xxh3_128
-from geoshard.util.paths import check_shard_path
 from geoshard.util.retry import Backoff
 
 log = logging.getLogger(__name__)
@@ -167,8 +166,7 @@ class TierChain:
                 failures.append(str(e))
                 continue
             if m.region == self.region:  # another region's bucket holds that region's manifest
-                for path in m.table.paths():  # a name that is not a shard's could make the local tier touch a user's file
-                    check_shard_path(path, f"{tier.name}/{MANIFEST}")
+                m.table.check_shard_names(f"{tier.name}/{MANIFEST}")  # another name could make the local tier touch a user's file
                 return m
             failures.append(f"{tier.name}: its {MANIFEST} describes region {m.region}")
         raise AllTiersFailed(f"region {self.region}: no tier has its {MANIFEST}: " + "; ".join(failures))

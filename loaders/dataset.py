@@ -108,7 +108,7 @@ class RegionalDataset(IterableDataset[Any]):
         self.decoder = make_decoder(decode, self.manifest.format)
         self.tensors = tensor_spec(decode, self.manifest.format, batch_size)
         self.copy = copy and self.tensors is None  # a TensorSpec copies each field once, into its batch
-        self._counts = [s.samples for s in self.manifest.shards]
+        self._counts = self.manifest.table.column("samples").tolist()
         rank = region_rank if region_rank is not None else rank
         size = region_size if region_size is not None else world_size
         self.share, self.balance = find_share(self.region, sum(self._counts), topology, rank, size, samples_per_rank, remainder)

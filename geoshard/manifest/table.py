@@ -17,7 +17,7 @@ import numpy as np
 from geoshard.errors import DataError
 from geoshard.manifest import checks, chunkindex
 from geoshard.manifest.entry import ShardChunks, ShardEntry
-from geoshard.util.paths import plain_relative
+from geoshard.util.paths import SHARD_NAME, check_shard_path, plain_relative
 
 NONE_HEX = "0" * 32  # a version 2 column's placeholder for a digest the shard does not have
 # What plain_relative refuses, found in the newline-joined column at once (a newline is a control
@@ -82,6 +82,15 @@ class ShardTable(Sequence[ShardEntry]):
 
     def paths(self) -> list[str]:
         return self._paths.decode("utf-8").split("\n") if len(self) else []
+
+    def check_shard_names(self, where: str) -> None:
+        """Every path of geoshard's shard name pattern, in one match over the joined column; the
+        first that is not is refused by ``check_shard_path`` (a path could make a tier touch a
+        file that is not a shard)."""
+        text = self._paths.decode("utf-8")
+        if text and not re.fullmatch(f"(?:{SHARD_NAME.pattern})(?:\n(?:{SHARD_NAME.pattern}))*", text):
+            for p in text.split("\n"):
+                check_shard_path(p, where)
 
     def chunk_blob(self, i: int) -> bytes:
         """The packed chunk index of shard ``i`` (b"" when it has none here)."""
