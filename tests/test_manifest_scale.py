@@ -200,3 +200,15 @@ def test_an_incremental_split_keeps_version_2_and_every_shards_index(split2: Pat
     for s in m.shards:
         index = (out / EU / chunkindex.index_name(s.path)).read_bytes()
         assert chunkindex.digest(index) == s.chunk_index
+
+
+def test_geoshard_verify_checks_the_chunk_indexes(split2: Path, tmp_path: Path) -> None:
+    copy = tmp_path / EU
+    shutil.copytree(split2, copy)
+    assert geoshard("verify", copy, cwd=tmp_path, timeout=120).rc == 0
+    shards = read_region_manifest(copy).shards
+    bad, gone = (copy / chunkindex.index_name(s.path) for s in shards[:2])
+    bad.write_bytes(bad.read_bytes()[:-1] + b"\x01")
+    gone.unlink()
+    r = geoshard("verify", copy, cwd=tmp_path, timeout=120)
+    assert r.rc == 1 and f"mismatched: {bad}" in r.out and f"missing: {gone}" in r.out, r.out + r.err
