@@ -111,14 +111,20 @@ def main() -> None:
                 size = write_synthetic(path, n, v)
                 row = {"shards": n, "version": v, "file_mb": size / 1e6} | measure(path, n)
                 path.unlink()
-                rows.append(row)
-                print(
-                    f"{n:>7,} shards  v{v}  {row['file_mb']:8.1f} MB  open {row['open_s']:6.2f} s (CPU {row['cpu_s']:.2f} s)  "
-                    f"peak RSS {row['peak_rss_mb']:6.0f} MB (imports {row['imports_rss_mb']:.0f} MB)",
-                    flush=True,
-                )
-    if args.json_out:
-        args.json_out.write_text(json.dumps(rows, indent=1) + "\n")
+                line = f"v{v}  {row['file_mb']:8.1f} MB  open {row['open_s']:6.2f} s (CPU {row['cpu_s']:.2f} s)  "
+                record(rows, row, line + f"peak RSS {row['peak_rss_mb']:6.0f} MB (imports {row['imports_rss_mb']:.0f} MB)")
+    save(rows, args.json_out)
+
+
+def record(rows: list[dict[str, float]], row: dict[str, float], line: str) -> None:
+    """Keep a measured row and print it after its shard count."""
+    rows.append(row)
+    print(f"{int(row['shards']):>7,} shards  {line}", flush=True)
+
+
+def save(rows: list[dict[str, float]], path: Path | None) -> None:
+    if path:
+        path.write_text(json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the SeaweedFS launcher the test suite uses
+from manifest_bench import record, save  # noqa: E402 - beside this file
 from servers import SeaweedS3  # noqa: E402
 
 from geoshard.manifest import Manifest, RegionManifest, RegionSummary, ShardChunks, ShardEntry, chunkindex  # noqa: E402
@@ -87,13 +88,8 @@ def main() -> None:
             again = sync(folder, plan, env)
             assert again[2]["uploaded"] == 0 and again[2]["skipped"] == n, again
             row = {"shards": n, "first_s": first[0], "noop_s": again[0], "noop_cpu_s": again[1]}
-            rows.append(row)
-            print(
-                f"{n:>7,} shards: first sync {first[0]:7.1f} s; no-op re-sync {again[0]:6.2f} s (CPU {again[1]:.2f} s), 0 uploads",
-                flush=True,
-            )
-    if args.json_out:
-        args.json_out.write_text(json.dumps(rows, indent=1) + "\n")
+            record(rows, row, f"first sync {first[0]:7.1f} s; no-op re-sync {again[0]:6.2f} s (CPU {again[1]:.2f} s), 0 uploads")
+    save(rows, args.json_out)
 
 
 if __name__ == "__main__":
