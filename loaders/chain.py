@@ -24,10 +24,9 @@ from geoshard.errors import ConfigError, DataError, StorageError
 from geoshard.loaders.egress import EgressCounter
 from geoshard.loaders.stats import LoaderStats
 from geoshard.loaders.tier import Progress, Tier, TierError, TierMissing, WritableTier, make_tier
-from geoshard.manifest import MANIFEST, RegionManifest, ShardEntry, parse_region_manifest
+from geoshard.manifest import MANIFEST, RegionManifest, ShardChunks, ShardEntry, chunkindex, parse_region_manifest
 from geoshard.plan import Plan
 from geoshard.util.hashing import verify_digest, xxh3_128
-from geoshard.util.paths import check_shard_path
 from geoshard.util.retry import Backoff
 
 log = logging.getLogger(__name__)
@@ -94,6 +93,7 @@ class TierChain:
         self.local = next((t for t in self.tiers if t.writable and isinstance(t, WritableTier)), None)
         # The region's own bucket: where generations are published (loaders/generation.py).
         self.origin = origin
+        self._chunks: dict[str, ShardChunks] = {}  # chunk indexes fetched by this process, by shard
 
     def cooldowns(self) -> dict[str, float]:
         """Tiers cooling down, until when (monotonic clock: the same in every process of a host)."""
@@ -190,9 +190,41 @@ class TierChain:
         if m.region != self.region:  # another region's bucket holds that region's manifest
             failures.append(f"{tier.name}: its {path} describes region {m.region}")
             return None
-        for s in m.shards:  # a name that is not a shard's could make the local tier touch a user's file
-            check_shard_path(s.path, f"{tier.name}/{path}")
+        m.table.check_shard_names(f"{tier.name}/{path}")  # another name could make the local tier touch a user's file
         return m
+
+    def with_chunks(self, shard: ShardEntry) -> ShardEntry:
+        """``shard`` with its chunks from its chunk index (``<shard>.chunks`` of a version 2
+        manifest), fetched once per process from the nearest tier whose copy matches the entry's
+        digest; unchanged without an index, or when no tier has it intact (then read whole)."""
+        if shard.chunks is not None or not shard.chunk_index:
+            return shard
+        chunks = self._chunks.get(shard.path)
+        if chunks is None:
+            try:
+                chunks = self._nearest(shard, 0, " chunk index", lambda tier, failures: self._try_index(tier, shard, failures))[1]
+            except AllTiersFailed as e:
+                log.warning("%s; reading the shard whole", e)
+                return shard
+            self._chunks[shard.path] = chunks
+        return dataclasses.replace(shard, chunks=chunks)
+
+    def _try_index(self, tier: Tier, shard: ShardEntry, failures: list[str]) -> ShardChunks | None:
+        name = chunkindex.index_name(shard.path)
+        got = self._attempt(tier, failures, lambda: tier.read(name))
+        if got is None:
+            return None
+        data, t0 = got
+        try:
+            if chunkindex.digest(data) != shard.chunk_index:
+                raise DataError(f"{name} does not match the chunk_index of its manifest")
+            chunks = ShardChunks.from_index(data, name, shard.bytes, shard.samples)
+        except DataError as e:
+            self.stats.count(tier.name, "verify_failures")
+            failures.append(f"{tier.name}: {e}")
+            return None
+        self.stats.hit(tier.name, len(data), self._clock() - t0)
+        return chunks
 
     def fetch_chunks(self, shard: ShardEntry, first: int, last: int, progress: Progress | None = None) -> bytes | memoryview:
         """Chunks ``first`` to ``last`` (inclusive) of a shard with chunk hashes, as one buffer, from

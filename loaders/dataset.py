@@ -120,7 +120,7 @@ class RegionalDataset(FollowsGenerations, IterableDataset[Any]):
         self.decoder = make_decoder(decode, self.manifest.format)
         self.tensors = tensor_spec(decode, self.manifest.format, batch_size)
         self.copy = copy and self.tensors is None  # a TensorSpec copies each field once, into its batch
-        self._counts = [s.samples for s in self.manifest.shards]
+        self._counts = self.manifest.table.column("samples").tolist()
         rank = region_rank if region_rank is not None else rank
         size = region_size if region_size is not None else world_size
         self._share_args = (rank, size, samples_per_rank, remainder)
@@ -302,8 +302,8 @@ class RegionalDataset(FollowsGenerations, IterableDataset[Any]):
         fetch order, and its stream (shards, indices). The same in every process of the rank."""
         pin = self._at(start.epoch)
         layout = dataclasses.replace(pin.layout, num_workers=start.num_workers)
-        cmap = ChunkMap(pin.manifest.shards, self.chain().reads_chunks)
-        counts = [s.samples for s in pin.manifest.shards]
+        cmap = ChunkMap(pin.manifest.shards, self.chain().reads_chunks, self.chain().with_chunks)
+        counts = pin.manifest.table.column("samples").tolist()
         return rank_pieces(counts, cmap, layout, start.epoch, start.skips, start.rotation, start.segments)
 
     def fetch_queue(self, start: EpochStart) -> FetchQueue:

@@ -84,7 +84,7 @@ class FollowsGenerations:
 
     def _apply(self, pin: Pin) -> None:
         self.manifest, self.share, self.balance, self.layout = pin.manifest, pin.share, pin.balance, pin.layout
-        self._counts = [s.samples for s in pin.manifest.shards]
+        self._counts = pin.manifest.table.column("samples").tolist()
         if self.lease is not None:
             self.lease.hold(pin.manifest.generation)
 

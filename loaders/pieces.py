@@ -15,8 +15,9 @@ pieces.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -38,20 +39,39 @@ class Piece:
 
 
 class ChunkMap:
-    """Per shard: the sample and byte ends of its chunks (one chunk if it is read whole)."""
+    """Per shard: the sample and byte ends of its chunks (one chunk if it is read whole), worked
+    out when first asked: a version 2 manifest's chunks come from each shard's chunk index
+    (``resolve``: ``TierChain.with_chunks``), fetched only for the shards a rank reads."""
 
-    def __init__(self, shards: Sequence[ShardEntry], chunked: bool) -> None:
-        self.chunked = [chunked and s.chunks is not None and len(s.chunks.bytes) > 1 for s in shards]
-        self.sample_ends: list[np.ndarray] = []
-        self.byte_ends: list[np.ndarray] = []
-        for s, c in zip(shards, self.chunked, strict=True):
-            if c:
-                assert s.chunks is not None
-                self.sample_ends.append(np.cumsum(np.asarray(s.chunks.samples, dtype=np.int64)))
-                self.byte_ends.append(np.cumsum(np.asarray(s.chunks.bytes, dtype=np.int64)))
+    def __init__(self, shards: Sequence[ShardEntry], chunked: bool, resolve: Callable[[ShardEntry], ShardEntry] | None = None) -> None:
+        self._shards, self._chunked, self._resolve = shards, chunked, resolve
+        self._ends: dict[int, tuple[bool, np.ndarray, np.ndarray]] = {}
+        self.chunked = _Lazy(self, 0)
+        self.sample_ends = _Lazy(self, 1)
+        self.byte_ends = _Lazy(self, 2)
+
+    def ends(self, i: int) -> tuple[bool, np.ndarray, np.ndarray]:
+        got = self._ends.get(i)
+        if got is None:
+            s = self._shards[i]
+            if self._chunked and self._resolve is not None:
+                s = self._resolve(s)
+            if self._chunked and s.chunks is not None and len(s.chunks.bytes) > 1:
+                got = (True, np.cumsum(np.asarray(s.chunks.samples, dtype=np.int64)), np.cumsum(np.asarray(s.chunks.bytes, dtype=np.int64)))
             else:
-                self.sample_ends.append(np.asarray([s.samples], dtype=np.int64))
-                self.byte_ends.append(np.asarray([s.bytes], dtype=np.int64))
+                got = (False, np.asarray([s.samples], dtype=np.int64), np.asarray([s.bytes], dtype=np.int64))
+            self._ends[i] = got
+        return got
+
+
+class _Lazy:
+    """One of ``ChunkMap``'s per-shard lists, indexed as before."""
+
+    def __init__(self, cmap: ChunkMap, field: int) -> None:
+        self._cmap, self._field = cmap, field
+
+    def __getitem__(self, i: int) -> Any:
+        return self._cmap.ends(i)[self._field]
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ class PieceFetcher:
                 q.done(g)
 
     def _fetch(self, p: Piece, progress: Progress | None) -> Shard:
-        entry, fmt = self.manifest.shards[p.shard], self.manifest.format
+        entry, fmt = self.chain.with_chunks(self.manifest.shards[p.shard]), self.manifest.format
         if not p.chunked:
             return Shard(entry.path, self.chain.fetch(entry), fmt, copy=self.copy, expected=entry.samples)
         data = self.chain.fetch_chunks(entry, p.first, p.last, progress)

@@ -231,7 +231,7 @@ def _with_job(summary: RankSummary, cfg: TrainConfig, ctx: RankContext, loader: 
         samples_per_epoch=ds.samples_per_epoch * ds.world_size,
         left_out_per_epoch=remainder["dropped_samples"],
         repeated_per_epoch=remainder["padded_samples"],
-        region_samples=sum(s.samples for s in ds.manifest.shards),
+        region_samples=ds.manifest.samples,
         egress_budget=ds.settings.egress_budget if ds.settings.egress_budget is not None else load_plan(cfg.plan).egress.budget,
         utilization_target=cfg.utilization_target,
         steps_redone=redone,

@@ -78,6 +78,13 @@ def main(verbose: int) -> None:
     is_flag=True,
     help="Split tars that end without end-of-archive blocks (each is reported with its sample count).",
 )
+@click.option(
+    "--manifest-version",
+    type=click.Choice(["1", "2"]),
+    help="Region manifests: 1 lists each shard's chunk hashes inline; 2 keeps one entry per shard and "
+    "writes each shard's chunk index beside it (<shard>.chunks), for regions of 10^5 shards (docs/manifest.md). "
+    "Default: the version of the split already in --out, else 1.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def split(
     sources: tuple[str, ...],
@@ -90,6 +97,7 @@ def split(
     endpoint: str | None,
     replace: bool,
     allow_truncated_tar: bool,
+    manifest_version: str | None,
     as_json: bool,
 ) -> None:
     """Re-shard SOURCE... by region following --plan into --out."""
@@ -109,6 +117,7 @@ def split(
         replace=replace,
         created=created_time(),
         allow_truncated_tar=allow_truncated_tar,
+        manifest_version=int(manifest_version) if manifest_version else None,
     )
     with split_progress(enabled=not as_json) as progress:
         result = run_split(list(sources), plan, settings, progress=progress.update)

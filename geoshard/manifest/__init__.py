@@ -1,16 +1,18 @@
 """Manifests: the contract between split, sync, the loaders and users (docs/manifest.md).
 
-``model`` holds the records and their readers; ``verify`` re-hashes shards against them.
+``model`` holds the manifests and their readers, ``entry`` a shard's entry, ``table`` a region's
+entries as columns, ``chunkindex`` the binary chunk index beside each shard (version 2),
+``stream`` the parser that reads a manifest file piece by piece; ``verify`` re-hashes shards.
 """
 
+from geoshard.manifest.entry import ShardChunks, ShardEntry
 from geoshard.manifest.model import (
     MANIFEST,
     VERSION,
+    VERSIONS,
     Manifest,
     RegionManifest,
     RegionSummary,
-    ShardChunks,
-    ShardEntry,
     SourceEntry,
     check_relpath,
     dumps,
@@ -19,15 +21,18 @@ from geoshard.manifest.model import (
     read_region_manifest,
     read_split_or_region,
 )
+from geoshard.manifest.table import ShardTable
 
 __all__ = [
     "MANIFEST",
     "VERSION",
+    "VERSIONS",
     "Manifest",
     "RegionManifest",
     "RegionSummary",
     "ShardChunks",
     "ShardEntry",
+    "ShardTable",
     "SourceEntry",
     "check_relpath",
     "dumps",

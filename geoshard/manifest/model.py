@@ -10,146 +10,111 @@ Region manifests are deterministic (no timestamps) so equal splits give equal by
 from __future__ import annotations
 
 import builtins
+import io
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+import numpy as np
 
 from geoshard.errors import DataError
-from geoshard.formats import FORMATS
-from geoshard.manifest import checks
+from geoshard.formats import FORMATS, format_spec
+from geoshard.manifest import checks, stream
+from geoshard.manifest.entry import ShardEntry, v1_row
+from geoshard.manifest.table import Rows, ShardTable
 from geoshard.util.paths import plain_relative
 
 MANIFEST = "manifest.json"
-VERSION = 1
-
-
-@dataclass(frozen=True)
-class ShardChunks:
-    """A shard cut into chunks of whole samples, each with its own fast hash (docs/manifest.md).
-
-    A chunk ends at the first sample boundary at or past ``size`` bytes (the last one also holds
-    the tar's end blocks), so any chunk can be read, checked and parsed alone."""
-
-    size: int
-    bytes: tuple[int, ...]  # per chunk
-    samples: tuple[int, ...]  # per chunk
-    xxh3_128: tuple[str, ...]  # per chunk, 32 hex digits
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"size": self.size, "bytes": list(self.bytes), "samples": list(self.samples), "xxh3_128": list(self.xxh3_128)}
-
-    @classmethod
-    def from_dict(cls, d: Any, where: str, shard_bytes: int, shard_samples: int) -> ShardChunks:
-        try:
-            c = cls(
-                size=checks.count(d["size"], "chunks.size", where),
-                bytes=tuple(checks.count(b, "chunks.bytes", where) for b in checks.listing(d["bytes"], "chunks.bytes", where)),
-                samples=tuple(checks.count(n, "chunks.samples", where) for n in checks.listing(d["samples"], "chunks.samples", where)),
-                xxh3_128=tuple(str(h) for h in checks.listing(d["xxh3_128"], "chunks.xxh3_128", where)),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise DataError(f"{where}: chunks: missing or invalid {e}") from e
-        n = len(c.bytes)
-        if not n or len(c.samples) != n or len(c.xxh3_128) != n:
-            raise DataError(f"{where}: chunks: bytes, samples and xxh3_128 must list the same number of chunks (at least one)")
-        if sum(c.bytes) != shard_bytes or sum(c.samples) != shard_samples or min(c.bytes) <= 0 or min(c.samples) < 0:
-            raise DataError(f"{where}: chunks: their bytes and samples must add up to the shard's ({shard_bytes}, {shard_samples})")
-        if not all(len(h) == 32 and all(ch in _HEX for ch in h) for h in c.xxh3_128):
-            raise DataError(f"{where}: chunks: every xxh3_128 must be 32 lowercase hex digits")
-        return c
-
-
-_HEX = frozenset("0123456789abcdef")
-
-
-@dataclass(frozen=True)
-class ShardEntry:
-    path: str
-    samples: int
-    bytes: int
-    sha256: str
-    group: int = 0
-    xxh3_128: str = ""  # the fast hash of record (geoshard/util/hashing.py); "" in manifests written before it
-    chunks: ShardChunks | None = None  # per-chunk hashes; None in manifests written before them
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"path": self.path, "samples": self.samples, "bytes": self.bytes, "sha256": self.sha256, "group": self.group}
-        if self.xxh3_128:
-            d["xxh3_128"] = self.xxh3_128
-        if self.chunks is not None:
-            d["chunks"] = self.chunks.to_dict()
-        return d
-
-    @classmethod
-    def from_dict(cls, s: Any, name: str, index: int = 0, fmt: str = "wds") -> ShardEntry:
-        field = f"shards[{index}]"
-        s = checks.mapping(s, field, name)
-        path = check_relpath(str(s["path"]), name)
-        samples, size = checks.count(s["samples"], f"{field}.samples", name), checks.count(s["bytes"], f"{field}.bytes", name)
-        checks.samples_fit(samples, size, fmt, f"{field} ({path})", name)
-        chunks = s.get("chunks")
-        return cls(
-            path=path,
-            samples=samples,
-            bytes=size,
-            sha256=str(s["sha256"]),
-            group=checks.count(s.get("group", 0), f"{field}.group", name),
-            xxh3_128=str(s.get("xxh3_128", "")),
-            chunks=None if chunks is None else ShardChunks.from_dict(chunks, f"{name}: shard {path}", size, samples),
-        )
+VERSION = 1  # what a split writes unless asked for 2 (one entry per shard, chunk indexes beside the shards)
+VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
 class RegionManifest:
+    """A region's shards. ``version`` 1 lists each shard with its chunks inline; version 2 keeps
+    one entry per shard in columns and each shard's chunks in ``<shard>.chunks`` beside it."""
+
     region: str
     format: str
     generation: int
     plan_sha256: str
-    shards: tuple[ShardEntry, ...]
+    shards: Sequence[ShardEntry]  # a ShardTable once built (any sequence of entries is converted)
+    version: int = VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shards, ShardTable):
+            object.__setattr__(self, "shards", ShardTable.from_entries(self.shards))
+        if self.version not in VERSIONS:
+            raise ValueError(f"region manifest version must be one of {VERSIONS}, got {self.version}")
+
+    @property
+    def table(self) -> ShardTable:
+        assert isinstance(self.shards, ShardTable)
+        return self.shards
 
     @property
     def samples(self) -> int:
-        return sum(s.samples for s in self.shards)
+        return int(self.table.column("samples").sum())
 
     @property
     def bytes(self) -> int:
-        return sum(s.bytes for s in self.shards)
+        return int(self.table.column("bytes").sum())
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": VERSION,
-            "region": self.region,
-            "format": self.format,
-            "generation": self.generation,
-            "plan_sha256": self.plan_sha256,
-            "samples": self.samples,
-            "bytes": self.bytes,
-            "shards": [s.to_dict() for s in self.shards],
-        }
+        shards: Any = self.table.to_columns() if self.version == 2 else [s.to_dict() for s in self.shards]
+        head = {"version": self.version, "region": self.region, "format": self.format, "generation": self.generation}
+        return head | {"plan_sha256": self.plan_sha256, "samples": self.samples, "bytes": self.bytes, "shards": shards}
 
     def to_json(self) -> builtins.bytes:
         return dumps(self.to_dict())
 
-    @classmethod
-    def from_dict(cls, d: Any, name: str) -> RegionManifest:
-        try:
-            d = checks.mapping(d, "the manifest", name)
-            if d["format"] not in FORMATS:
-                raise DataError(f"{name}: format must be 'wds' or 'tfrecord', got {d['format']!r}")
-            entries = checks.listing(d["shards"], "shards", name)
-            shards = tuple(ShardEntry.from_dict(s, name, i, d["format"]) for i, s in enumerate(entries))
-            _no_repeats(shards, name)
-            return cls(
-                region=str(d["region"]),
-                format=str(d["format"]),
-                generation=checks.count(d.get("generation", 0), "generation", name),
-                plan_sha256=str(d.get("plan_sha256", "")),
-                shards=shards,
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise DataError(f"{name}: not a geoshard region manifest (missing or invalid {e})") from e
+
+def _region_from(f: IO[builtins.bytes], name: str) -> RegionManifest | dict[str, Any]:
+    """The region manifest in ``f``, or the top-level object when it has no ``shards`` (a split's)."""
+    rows = Rows()
+    try:
+        d = stream.load(f, name, lambda s, i, before: rows.add(*v1_row(s, name, i, before.get("format"))))
+        if "shards" not in d:
+            return d
+        version = checks.count(d.get("version", 1), "version", name)
+        if version not in VERSIONS:
+            raise DataError(f"{name}: region manifest version {version} is newer than this geoshard reads ({VERSIONS}); upgrade geoshard")
+        fmt = d["format"]
+        if fmt not in FORMATS:
+            raise DataError(f"{name}: format must be 'wds' or 'tfrecord', got {fmt!r}")
+        if version == 1 and d["shards"] is not None:
+            checks.listing(d["shards"], "shards", name)
+        table = rows.table() if version == 1 else ShardTable.from_columns(d["shards"], name)
+        _check_table(table, fmt, name)
+        return RegionManifest(
+            region=str(d["region"]),
+            format=str(fmt),
+            generation=checks.count(d.get("generation", 0), "generation", name),
+            plan_sha256=str(d.get("plan_sha256", "")),
+            shards=table,
+            version=version,
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise DataError(f"{name}: not a geoshard region manifest (missing or invalid {e})") from e
+
+
+def _check_table(table: ShardTable, fmt: str, name: str) -> None:
+    """Samples that fit their shard (per format), and no shard listed twice."""
+    most = table.column("bytes") // format_spec(fmt, name).min_sample_bytes
+    over = np.flatnonzero(table.column("samples") > most)
+    if len(over):
+        i = int(over[0])
+        checks.samples_fit(int(table.column("samples")[i]), int(table.column("bytes")[i]), fmt, f"shards[{i}] ({table.path(i)})", name)
+    paths = table.paths()
+    if len(set(paths)) != len(paths):
+        seen: set[str] = set()
+        for i, p in enumerate(paths):
+            if p in seen:
+                raise DataError(f"{name}: shards[{i}].path: shard {p} is listed twice")
+            seen.add(p)
 
 
 @dataclass(frozen=True)
@@ -256,49 +221,58 @@ def check_relpath(path: str, name: str) -> str:
     return plain_relative(path, name)
 
 
-def _no_repeats(shards: tuple[ShardEntry, ...], name: str) -> None:
-    seen: set[str] = set()
-    for i, s in enumerate(shards):
-        if s.path in seen:
-            raise DataError(f"{name}: shards[{i}].path: shard {s.path} is listed twice")
-        seen.add(s.path)
-
-
-def _load_json(path: Path) -> Any:
+def _opened(path: Path) -> IO[builtins.bytes]:
     try:
-        with path.open("rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > checks.MAX_MANIFEST_BYTES:  # refused before a byte of it is read
-                raise DataError(f"{path}: {size:,} bytes, more than a manifest may hold ({checks.MAX_MANIFEST_BYTES:,})")
-            data = f.read()
+        f = path.open("rb")
+        size = os.fstat(f.fileno()).st_size
     except FileNotFoundError:
         raise DataError(f"{path}: manifest not found") from None
     except OSError as e:
         raise DataError(f"{path}: unreadable manifest: {e}") from e
-    return checks.parse(data, str(path))
+    if size > checks.MAX_MANIFEST_BYTES:  # refused before a byte of it is read
+        f.close()
+        raise DataError(f"{path}: {size:,} bytes, more than a manifest may hold ({checks.MAX_MANIFEST_BYTES:,})")
+    return f
+
+
+def _read(path: Path) -> RegionManifest | dict[str, Any]:
+    with _opened(path) as f:
+        try:
+            return _region_from(f, str(path))
+        except OSError as e:
+            raise DataError(f"{path}: unreadable manifest: {e}") from e
 
 
 def read_manifest(directory: str | Path) -> Manifest:
     path = Path(directory) / MANIFEST
-    return Manifest.from_dict(_load_json(path), str(path))
+    d = _read(path)
+    if isinstance(d, RegionManifest):
+        raise DataError(f"{path}: not a geoshard manifest (missing or invalid 'regions')")
+    return Manifest.from_dict(d, str(path))
 
 
 def read_split_or_region(directory: str | Path) -> Manifest | RegionManifest:
     """The manifest in ``directory``: a split's top manifest, or a region manifest (one region of
     a split, a pulled replica, a copy of a bucket), told apart by their keys."""
     path = Path(directory) / MANIFEST
-    d = _load_json(path)
-    if isinstance(d, dict) and "regions" not in d and "shards" in d:
-        return RegionManifest.from_dict(d, str(path))
-    return Manifest.from_dict(d, str(path))
+    d = _read(path)
+    return d if isinstance(d, RegionManifest) else Manifest.from_dict(d, str(path))
 
 
 def read_region_manifest(path: str | Path) -> RegionManifest:
     p = Path(path)
     if p.is_dir():
         p = p / MANIFEST
-    return RegionManifest.from_dict(_load_json(p), str(p))
+    d = _read(p)
+    if not isinstance(d, RegionManifest):
+        raise DataError(f"{p}: not a geoshard region manifest (missing or invalid 'shards')")
+    return d
 
 
-def parse_region_manifest(data: bytes, name: str) -> RegionManifest:
-    return RegionManifest.from_dict(checks.parse(data, name), name)
+def parse_region_manifest(data: builtins.bytes, name: str) -> RegionManifest:
+    if len(data) > checks.MAX_MANIFEST_BYTES:
+        raise DataError(f"{name}: {len(data):,} bytes, more than a manifest may hold ({checks.MAX_MANIFEST_BYTES:,})")
+    d = _region_from(io.BytesIO(data), name)
+    if not isinstance(d, RegionManifest):
+        raise DataError(f"{name}: not a geoshard region manifest (missing or invalid 'shards')")
+    return d

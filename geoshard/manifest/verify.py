@@ -4,7 +4,8 @@
 manifest predates the fast hash; ``sha256`` always checks the cryptographic digest (a check
 against tampering, not only against damage). The size is checked first in both. A shard whose
 bytes match is then counted: a manifest whose sample count differs from what the shard holds
-would make the loader serve fewer samples than it claims, or index past the end.
+would make the loader serve fewer samples than it claims, or index past the end. A version 2
+shard's chunk index is checked against the digest its entry records.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from geoshard.errors import DataError
 from geoshard.formats import format_spec
-from geoshard.manifest import MANIFEST, RegionManifest, ShardEntry, read_region_manifest, read_split_or_region
+from geoshard.manifest import MANIFEST, RegionManifest, ShardChunks, ShardEntry, chunkindex, read_region_manifest, read_split_or_region
 from geoshard.util.hashing import FAST, file_digests
 from geoshard.util.paths import check_shard_path, plain_relative
 
@@ -82,6 +83,24 @@ def verify_region(rdir: Path, rm: RegionManifest, report: VerifyReport, mode: st
             report.missing.append(str(p))
         elif not shard_matches(p, s, mode) or not _counts_match(p, s, rm.format):
             report.mismatched.append(str(p))
+        if s.chunk_index:
+            _check_index(rdir / chunkindex.index_name(s.path), s, report)
+
+
+def _check_index(path: Path, shard: ShardEntry, report: VerifyReport) -> None:
+    """A version 2 shard's chunk index: present, of the digest its manifest records, and whole."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        report.missing.append(str(path))
+        return
+    try:
+        if chunkindex.digest(data) != shard.chunk_index:
+            raise DataError(f"{path}: does not match the chunk_index of its manifest")
+        ShardChunks.from_index(data, str(path), shard.bytes, shard.samples)
+    except DataError as e:
+        log.warning("%s", e)
+        report.mismatched.append(str(path))
 
 
 def verify_split(directory: Path, mode: str = "xxh3") -> tuple[dict[str, RegionManifest], VerifyReport]:

@@ -26,6 +26,7 @@ from geoshard.errors import ConfigError, DataError, LockedError, StorageError
 from geoshard.formats import Format, format_spec
 from geoshard.manifest import (
     MANIFEST,
+    VERSION,
     Manifest,
     RegionManifest,
     RegionSummary,
@@ -55,6 +56,9 @@ class SplitSettings:
     created: str | None = None  # fixed creation time (SOURCE_DATE_EPOCH) for reproducible manifests
     incremental: bool = False  # re-split only groups whose sources changed, add new sources as new groups
     allow_truncated_tar: bool = False  # split tars that end without end-of-archive blocks; SplitResult.truncated names them
+    # Region manifests' version (docs/manifest.md): 2 keeps one entry per shard and each shard's chunk
+    # index beside it; None: that of the split already in ``out`` (an incremental split keeps it), else 1.
+    manifest_version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,8 @@ def _run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, prog
                 progress({"total_bytes": sum(ref.size for t in tasks for ref in t.sources)})
             kind = cluster_kind(settings, any(ref.url.startswith("s3://") for _, g in work for ref in g))
             results, timing = _run_tasks(tasks, settings, kind, progress, _kept_keys(out, kept))
-            manifest, regions = _manifests(plan, fmt, results, previous, settings, _kept_entries(out, previous, kept))
+            version = settings.manifest_version or _previous_version(out, previous)
+            manifest, regions = _manifests(plan, fmt, results, previous, version, _kept_entries(out, previous, kept), settings.created)
             publish(out, tmpdir, manifest, regions, {r.group: r.key_hashes for r in results})
         except BaseException:
             shutil.rmtree(out / TMP, ignore_errors=True)
@@ -184,6 +189,15 @@ def _kept_entries(
     for name, r in previous.regions.items():
         shards[name] = [sh for sh in read_region_manifest(out / r.manifest).shards if sh.group in kept]
     return shards, [src for src in previous.sources if src.group in kept]
+
+
+def _previous_version(out: Path, previous: Manifest | None) -> int:
+    for r in previous.regions.values() if previous else ():
+        try:
+            return read_region_manifest(out / r.manifest).version
+        except DataError:
+            break
+    return VERSION
 
 
 def _check_out(out: Path, plan: Plan, replace: bool) -> Manifest | None:
@@ -315,8 +329,9 @@ def _manifests(
     fmt: Format,
     results: list[GroupResult],
     previous: Manifest | None,
-    settings: SplitSettings,
+    version: int,
     kept: tuple[dict[str, list[ShardEntry]], list[SourceEntry]] = ({}, []),
+    created: str | None = None,
 ) -> tuple[Manifest, dict[str, RegionManifest]]:
     generation = (previous.generation + 1) if previous else 1
     plan_sha = plan.sha256()
@@ -326,13 +341,13 @@ def _manifests(
         mine = [s for r in results for s in r.shards if s.region == name]
         fresh = [ShardEntry(s.name, s.samples, s.bytes, s.sha256, s.group, s.xxh3_128, s.chunks) for s in mine]
         shards = tuple(sorted(fresh + kept[0].get(name, []), key=lambda e: e.path))
-        rm = RegionManifest(region=name, format=fmt, generation=generation, plan_sha256=plan_sha, shards=shards)
+        rm = RegionManifest(name, fmt, generation, plan_sha, shards, version)
         regions[name] = rm
         summaries[name] = RegionSummary(
             manifest=f"{name}/{MANIFEST}", shards=len(shards), samples=rm.samples, bytes=rm.bytes, sha256=manifest_sha(rm)
         )
     sources = sorted([s for r in results for s in r.sources] + kept[1], key=lambda s: (s.group, s.url))
-    created = settings.created or datetime.now(UTC).isoformat(timespec="seconds")
+    created = created or datetime.now(UTC).isoformat(timespec="seconds")
     manifest = Manifest(
         generation=generation,
         created=created,

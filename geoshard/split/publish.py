@@ -1,6 +1,7 @@
 """Atomic publication of a split: shards first, region manifests next, the top manifest last.
 
-A reader that opens any manifest finds every shard it names complete. Shards of the previous
+A reader that opens any manifest finds every shard it names complete, and in a version 2 region
+every chunk index it records. Shards of the previous
 generation stay until the next publication, so a job that started on them can finish.
 """
 
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from geoshard.errors import DataError
-from geoshard.manifest import MANIFEST, Manifest, RegionManifest, read_region_manifest
+from geoshard.manifest import MANIFEST, Manifest, RegionManifest, chunkindex, read_region_manifest
 from geoshard.util.fsutil import write_atomic
 from geoshard.util.paths import is_shard_name
 
@@ -43,18 +44,33 @@ def publish(out: Path, tmpdir: Path, manifest: Manifest, regions: Mapping[str, R
                 src.unlink()  # same content-addressed name: the bytes are already there
             else:
                 os.replace(src, dst)
+    for name, rm in regions.items():
+        _write_chunk_indexes(out / name, rm)
     for gid, hashes in keys.items():
         write_atomic(out / KEYS / f"{gid:05d}.u64", hashes)
     for name, rm in regions.items():
         write_atomic(out / name / MANIFEST, rm.to_json())
     write_atomic(out / MANIFEST, manifest.to_json())
     for name, rm in regions.items():
-        keep = previous[name] | {s.path for s in rm.shards} | {MANIFEST}
+        keep = previous[name] | set(rm.table.paths()) | {MANIFEST}
         for f in (out / name).iterdir():
-            if f.is_file() and f.name not in keep and is_shard_name(f.name):  # only what a split writes
+            stem = f.name.removesuffix(chunkindex.SUFFIX)  # a chunk index goes with its shard
+            if f.is_file() and stem not in keep and is_shard_name(stem):  # only what a split writes
                 log.info("removing %s (in neither this nor the previous generation)", f)
                 f.unlink()
     shutil.rmtree(tmpdir.parent, ignore_errors=True)  # the run folder and the empty .geoshard-tmp
+
+
+def _write_chunk_indexes(rdir: Path, rm: RegionManifest) -> None:
+    """A version 2 region's ``<shard>.chunks`` beside each shard, before the manifest that records
+    their digests (kept shards get theirs too: a version 1 manifest held their chunks inline)."""
+    if rm.version < 2:
+        return
+    table = rm.table
+    for i in range(len(table)):
+        blob = table.chunk_blob(i)
+        if blob:
+            write_atomic(rdir / chunkindex.index_name(table.path(i)), blob)
 
 
 def manifest_sha(rm: RegionManifest) -> str:

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from geoshard.errors import DataError, GeoshardError, SyncError
-from geoshard.manifest import RegionManifest, ShardEntry, parse_region_manifest, read_manifest, read_region_manifest
+from geoshard.manifest import RegionManifest, ShardEntry, chunkindex, parse_region_manifest, read_manifest, read_region_manifest
 from geoshard.manifest.lease import LEASES, Lease, history_path
 from geoshard.plan import Plan
 from geoshard.s3 import REQUEST_TIMEOUT_S
+from geoshard.sync.chunk_indexes import upload_chunk_indexes
 from geoshard.sync.etag_cache import ETAG_CACHE as ETAG_CACHE  # re-exported: its import path before the split
 from geoshard.sync.etag_cache import load_etags, save_etags
 from geoshard.sync.plan_match import check_plan_matches
@@ -161,6 +162,7 @@ def sync_region(
         _upload(uploads, root, target, transferer, settings.backoff, rr, progress)
         md5.update({p: f.result() for p, f in pending.items()})
     etags.update({s.sha256: md5[s.path] for s in uploads})
+    upload_chunk_indexes(bucket, root, local, set(listing), uploads)
     log.info("%s: uploads done at %.2f s", target.region, time.monotonic() - t0)
     after = _publish(bucket, target, local, listing if not uploads else None, md5, etags, root)
     rr.published = True
@@ -372,7 +374,7 @@ def _unreferenced(bucket: Bucket, listing: dict[str, RemoteObject], current: Reg
         referenced |= {s.path for s in m.shards}
     if missing := leased - {current.generation} - {_history_generation(p) for p in kept_history}:
         log.warning("%s: generation(s) %s named by a live lease have no history manifest here", bucket.target.region, sorted(missing))
-    keep_set = referenced | set(kept_history) | live_leases | {MANIFEST}
+    keep_set = referenced | {chunkindex.index_name(p) for p in referenced} | set(kept_history) | live_leases | {MANIFEST}
     return sorted(p for p in listing if p not in keep_set)
 
 
