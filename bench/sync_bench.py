@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the SeaweedFS launcher the test suite
 from servers import SeaweedS3  # noqa: E402
 
 from geoshard.manifest import Manifest, RegionManifest, RegionSummary, ShardEntry  # noqa: E402
+from geoshard.plan import parse_plan  # noqa: E402
 from geoshard.sync.s5cmd import resolve_binary  # noqa: E402
 from geoshard.util.fsutil import write_atomic  # noqa: E402
 
@@ -58,7 +59,8 @@ def fake_split(out: Path, count: int, size: int, seed: int) -> Path:
     rm = RegionManifest(REGION, "wds", 1, "bench", tuple(entries))
     write_atomic(rdir / "manifest.json", rm.to_json())
     summary = RegionSummary(f"{REGION}/manifest.json", len(entries), len(entries), rm.bytes, hashlib.sha256(rm.to_json()).hexdigest())
-    top = Manifest(1, "bench", "wds", {}, "bench", "bench", {REGION: summary}, ())
+    plan = parse_plan(f"[regions.{REGION}]\nweight = 1\n")  # plan_for's layout: sync checks the split was made with it
+    top = Manifest(1, "bench", "wds", plan.to_dict(), "bench", plan.layout_sha256(), {REGION: summary}, ())
     write_atomic(out / "manifest.json", top.to_json())
     return out
 
