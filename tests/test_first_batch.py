@@ -67,7 +67,8 @@ def _bucket(server: SeaweedS3, tag: str, folder: Path, manifest: bytes | None = 
 
 def _plan(path: Path, server: SeaweedS3, bucket: str) -> Path:
     """The split's plan (``region``'s shard size) with a bucket: sync refuses a plan the split was not made with."""
-    path.write_text(f'[shards]\nbytes = "4MB"\n[regions.{EU}]\nweight = 1\nbucket = "s3://{bucket}/train"\nendpoint = "{server.endpoint}"\n')
+    region = f'[regions.{EU}]\nweight = 1\nbucket = "s3://{bucket}/train"\nendpoint = "{server.endpoint}"\n'
+    path.write_text('[shards]\nbytes = "4MB"\n' + region)
     return path
 
 

@@ -3,6 +3,7 @@ the IO-wait report of the run."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,10 @@ def train(nproc: int, regions_spec: str | None, wan_matrix: Path | None, max_res
         for r in regions:
             plan.region(r.region)  # an unknown region: one line naming the plan's regions, before launch
         if wan_matrix is not None:
+            # The CLI, the process's edge, sets what torch reads when it loads (after this): this
+            # process hosts the rendezvous stores inside the namespaces, where the host's DNS is out
+            # of reach, and c10d warns per connection that a peer's reverse lookup failed (EAI_AGAIN).
+            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
             from geoshard.wan.launch import launch_under_wan
 
             code = launch_under_wan(cfg, regions, max_restarts, wan_matrix, click.echo)

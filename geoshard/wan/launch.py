@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,10 +30,6 @@ def launch_under_wan(
     from geoshard.wan.localize import localize_endpoints
 
     require_root()
-    # This process hosts the rendezvous stores inside the namespaces, where the host's DNS is out of
-    # reach: c10d's reverse lookup of each peer fails (EAI_AGAIN) and it warns per connection. Read
-    # when torch loads, which is after this (its ranks and agents get the same in their env below).
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     matrix = load_matrix(matrix_path)
     with Rehearsal(matrix, regions=[r.region for r in regions]) as wan:
         echo(f"WAN rehearsal: {', '.join(r.region for r in regions)} in their own network namespaces behind {matrix_path}; {wan.ceiling}")
