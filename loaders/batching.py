@@ -52,6 +52,10 @@ def make_items(
         yield len(batch), made()
 
 
+# What a worker ships with an item now and then: counters, tier cooldowns, failures to log once.
+Shipped = tuple[StatsSnapshot, dict[str, float], dict[str, str]]
+
+
 class StatsShipper:
     """The worker's counters to send with item ``i`` of ``items``: now and then (every
     ``STATS_EVERY_S``) and with the last, else None."""
@@ -60,9 +64,10 @@ class StatsShipper:
         self.chain, self.last, self.clock = chain, items - 1, clock
         self.shipped = clock()
 
-    def take(self, i: int) -> tuple[StatsSnapshot, dict[str, float]] | None:
-        """(counters, tier cooldowns) or None."""
-        if i != self.last and self.clock() - self.shipped < STATS_EVERY_S:
+    def take(self, i: int) -> Shipped | None:
+        """(counters, tier cooldowns, failures to log once) or None."""
+        warnings = self.chain.take_warnings()
+        if not warnings and i != self.last and self.clock() - self.shipped < STATS_EVERY_S:
             return None
         self.shipped = self.clock()
-        return self.chain.stats.snapshot(), self.chain.cooldowns()
+        return self.chain.stats.snapshot(), self.chain.cooldowns(), warnings

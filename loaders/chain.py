@@ -89,6 +89,8 @@ class TierChain:
         self._clock, self._sleep = clock, sleep
         self._down_until: dict[str, float] = {}
         self._warned: set[str] = set()
+        # A DataLoader worker's first failure per tier, kept for the rank's process to log (defer_warnings).
+        self._deferred: dict[str, str] | None = None
         # The replica shards fetched from further away are written back to.
         self.local = next((t for t in self.tiers if t.writable and isinstance(t, WritableTier)), None)
         # The region's own bucket: where generations are published (loaders/generation.py).
@@ -106,6 +108,27 @@ class TierChain:
         for name, until in cooldowns.items():
             self._down_until[name] = max(self._down_until.get(name, 0.0), until)
             self._warned.add(name)
+
+    def defer_warnings(self) -> None:
+        """In a DataLoader worker whose items carry its counters to the rank's process (RegionalLoader):
+        a tier's first failure travels with them (``take_warnings``) and that process logs it once for
+        all its workers, instead of each worker once."""
+        if self._deferred is None:
+            self._deferred = {}
+
+    def take_warnings(self) -> dict[str, str]:
+        """The failures deferred since the last call, by tier (``defer_warnings``)."""
+        out = self._deferred or {}
+        if self._deferred is not None:
+            self._deferred = {}
+        return out
+
+    def warn_once(self, warnings: dict[str, str]) -> None:
+        """In the rank's process: its workers' deferred failures, one line per tier it has not logged."""
+        for name, message in warnings.items():
+            if name not in self._warned:
+                self._warned.add(name)
+                log.warning("%s", message)
 
     @property
     def reads_chunks(self) -> bool:
@@ -284,11 +307,14 @@ class TierChain:
                 delay = next(delays, None)
                 if delay is None:
                     self._down_until[tier.name] = self._clock() + self.settings.cooldown_s
-                    # Once per tier and process (each DataLoader worker is one), and not in a process that
-                    # inherited the tier's cooldown from one that logged it: the stats count every failure.
-                    level = logging.DEBUG if tier.name in self._warned else logging.WARNING
+                    # Once per tier and process, not in a process that inherited the tier's cooldown from one
+                    # that logged it, and a worker's through its rank's process: the stats count every failure.
+                    message = f"{tier.name} failed ({e}); skipping it for {self.settings.cooldown_s:.0f} s{_ONCE}"
+                    first = tier.name not in self._warned
                     self._warned.add(tier.name)
-                    log.log(level, "%s failed (%s); skipping it for %.0f s%s", tier.name, e, self.settings.cooldown_s, _ONCE)
+                    if first and self._deferred is not None:
+                        self._deferred[tier.name] = message
+                    log.log(logging.WARNING if first and self._deferred is None else logging.DEBUG, "%s", message)
                     failures.append(str(e))
                     return None
                 self._sleep(delay)

@@ -326,6 +326,8 @@ class RegionalDataset(FollowsGenerations, IterableDataset[Any]):
         reader = self._reader(worker, start)
         made = make_items(reader.samples(), self._item_size, self.collate_fn, self.tensors, start)
         ship = StatsShipper(self.chain(), item_count(len(reader), self._item_size)) if start.tagged else None
+        if ship is not None and not count:  # a worker: its first failure per tier is logged by the rank's process
+            self.chain().defer_warnings()
         try:
             for i, (n, item) in enumerate(made):
                 if count:

@@ -134,7 +134,8 @@ class RegionalLoader(DataLoader[Any]):
                 ds.record(worker, n)
             if stats is not None and counting:  # without workers, stats() reads this process's chain directly
                 # The next epoch's workers fork from this process: they inherit what failed.
-                snapshot, cooldowns = stats
+                snapshot, cooldowns, warnings = stats
+                ds.chain().warn_once(warnings)  # before the cooldowns, which mark their tiers as logged
                 ds.chain().note_cooldowns(cooldowns)
                 self._snapshots[(iteration, worker)] = snapshot
             if isinstance(item, PackedBatch):  # TensorSpec: views of its shared slot (or of its own array)
