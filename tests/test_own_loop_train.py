@@ -38,8 +38,9 @@ def one_line(r: subprocess.CompletedProcess[str], words: str) -> None:
 
 
 def summary_lines(stdout: str) -> list[str]:
-    """The run's lines before the report's tables (the progress bar's last state apart)."""
-    lines = [x for x in stdout.splitlines() if not re.match(r"step \d+/\d+ ", x)]
+    """The run's lines before the report's tables (the progress bar's last state apart, and the
+    "  try: ..." advice under a verdict, which follows the run's measured times: test_verdicts.py)."""
+    lines = [x for x in stdout.splitlines() if not re.match(r"step \d+/\d+ |  try: ", x)]
     return lines[: next(i for i, x in enumerate(lines) if x.startswith("step time"))]
 
 
