@@ -162,7 +162,7 @@ def test_missing_profile_and_folder_markers(s3: SeaweedS3) -> None:
         c.put_object(Bucket="probe-markers", Key="m/", Body=b"")  # a zero-byte "folder": no ranged GET of it
         c.put_object(Bucket="probe-markers", Key="m/a.tar", Body=b"a" * 1000)
     plan = parse_plan(
-        f'[regions.p]\nweight = 1\nbucket = "s3://probe-markers/m"\nendpoint = "{s3.endpoint}"\nprofile = "no-such-profile"\n'
+        f'[regions.p]\nweight = 1\nbucket = "s3://probe-markers/p"\nendpoint = "{s3.endpoint}"\nprofile = "no-such-profile"\n'
         f'[regions.m]\nweight = 1\nbucket = "s3://probe-markers/m"\nendpoint = "{s3.endpoint}"\n'
     )
     result = probe(plan, ProbeSettings(samples=1))
