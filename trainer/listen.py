@@ -64,13 +64,14 @@ def master_store(
 def process_group_store(environ: Mapping[str, str], timeout_s: float) -> tuple[dist.TCPStore, int, int]:
     """The process group's store from torchrun's variables, with the rank and world size: rank 0
     serves it on MASTER_ADDR:MASTER_PORT (the address its peers reach it at, and only there), the
-    others connect to it."""
+    others connect to it. Where torchrun shares its agent's store (TORCHELASTIC_USE_AGENT_STORE,
+    torch's own rule in ``_create_c10d_store``), the agent serves it and every rank connects."""
     try:
         host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
         rank, world = int(environ["RANK"]), int(environ["WORLD_SIZE"])
     except (KeyError, ValueError) as e:
         raise ConfigError(f"run the trainer under torchrun: {e} is missing or not a number in its environment") from e
-    if rank == 0:
+    if rank == 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return master_store(host, port, timeout_s=timeout_s, world_size=world), rank, world
     store = dist.TCPStore(host, port, world, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
     return store, rank, world
