@@ -170,7 +170,8 @@ def test_sync_uploads_the_chunk_indexes_and_train_reads_the_split_by_chunks(spli
     for s in m.shards:
         assert got[f"train/{chunkindex.index_name(s.path)}"] == (split2 / chunkindex.index_name(s.path)).read_bytes()
     run = tmp_path / "run"
-    args = ("--model", "none", "--steps", "20", "--batch-size", "64", "--num-workers", "2")
+    # Most of one epoch (4,000 samples, 62 batches of 64), so every shard is read whatever the prefetch reached.
+    args = ("--model", "none", "--steps", "60", "--batch-size", "64", "--num-workers", "2")
     r = geoshard("train", "--plan", plan, "--region", EU, *args, "--out", run, cwd=tmp_path, timeout=300)
     assert r.rc == 0, r.err[-3000:]
     s3 = json.loads((run / "report.json").read_text())["tiers"][f"s3:{EU}"]
