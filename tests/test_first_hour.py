@@ -434,10 +434,13 @@ TRAIN = ("--region", "eu-west-1", "--nproc", "2", "--batch-size", "16", "--num-w
 @pytest.mark.slow
 def test_report_after_resume_covers_the_whole_run(corpus_plan: Path, tmp_path: Path) -> None:
     out = tmp_path / "runR"
-    first = run("train", "--plan", corpus_plan, *TRAIN, "--steps", "40", "--checkpoint-every", "20", "--out", out)
+    # 0.3 s of stated compute a step: each segment outlasts the 5 s between progress lines on a quiet machine.
+    first = run("train", "--plan", corpus_plan, *TRAIN, "--steps", "40", "--checkpoint-every", "20", "--step-time", "0.3", "--out", out)
     assert first.returncode == 0, first.stderr[-3000:]
     first_wall = sum(json.loads((out / f"rank{r}.json").read_text())["wall_s"] for r in range(2))
-    second = run("train", "--plan", corpus_plan, *TRAIN, "--steps", "60", "--checkpoint-every", "20", "--resume", "--out", out)
+    second = run(
+        "train", "--plan", corpus_plan, *TRAIN, "--steps", "60", "--checkpoint-every", "20", "--step-time", "0.3", "--resume", "--out", out
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert (report["steps"], report["step_first"], report["step_last"], report["segments"]) == (60, 1, 60, 2)
