@@ -213,3 +213,71 @@ def test_geoshard_verify_checks_the_chunk_indexes(split2: Path, tmp_path: Path) 
     gone.unlink()
     r = geoshard("verify", copy, cwd=tmp_path, timeout=120)
     assert r.rc == 1 and f"mismatched: {bad}" in r.out and f"missing: {gone}" in r.out, r.out + r.err
+
+
+# -- pull -----------------------------------------------------------------------------------------
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_pull_copies_the_chunk_indexes_verify_checks_them_and_the_chain_reads_them(split2: Path, tmp_path: Path, aws: SeaweedS3) -> None:
+    """``geoshard sync`` of the version 2 split, then ``geoshard pull``: every shard and its index
+    land in the replica, checked; ``verify`` checks the replica's indexes; a damaged or missing
+    index is fetched again; the loader's local tier serves the index from the replica."""
+    bucket = f"gs-pull2-{abs(hash(str(tmp_path))) % 10**8}"
+    aws.make_bucket(bucket)
+    plan = tmp_path / "plan.toml"
+    plan.write_text(f'[shards]\nbytes = "4MB"\n[regions.{EU}]\nweight = 1\nbucket = "s3://{bucket}/train"\nendpoint = "{aws.endpoint}"\n')
+    assert geoshard("sync", split2.parent, "--plan", plan, cwd=tmp_path, timeout=180).rc == 0
+    m = read_region_manifest(split2)
+    n, total = len(m.shards), m.bytes
+    replica = tmp_path / "replica"
+    r = geoshard("pull", "--plan", plan, "--region", EU, "--to", replica, cwd=tmp_path, timeout=180)
+    head = f"{EU}: {n} shards fetched ({total:,} bytes), 0 already present, into {replica}; checked by xxh3_128"
+    assert (r.rc, r.err, r.out) == (0, "", f"{head}; {n} chunk indexes fetched, 0 already present\n"), r.err[-3000:]
+    names = {MANIFEST} | {s.path for s in m.shards} | {chunkindex.index_name(s.path) for s in m.shards}
+    assert {p.name for p in replica.iterdir()} == names  # nothing else: no temporary file left
+    for name in names:
+        assert (replica / name).read_bytes() == (split2 / name).read_bytes(), name
+    v = geoshard("verify", replica, cwd=tmp_path, timeout=120)
+    assert (v.rc, v.err, v.out) == (0, "", f"{n} shards checked, 0 missing, 0 mismatched\n")
+
+    # The loader's local tier on the replica serves each shard's index, checked by its digest.
+    chain = TierChain(EU, [make_tier("local", root=replica, region=EU)])
+    first = m.shards[0]
+    want = ShardChunks.from_index((split2 / chunkindex.index_name(first.path)).read_bytes(), first.path, first.bytes, first.samples)
+    assert chain.with_chunks(first).chunks == want
+    assert chain.stats.snapshot().to_dict()["tiers"][f"local:{EU}"]["hits"] == 1
+
+    # A damaged and a missing index: verify names both; pull fetches those two and nothing else.
+    bad, gone = (replica / chunkindex.index_name(s.path) for s in m.shards[:2])
+    _flip(bad)
+    gone.unlink()
+    v = geoshard("verify", replica, cwd=tmp_path, timeout=120)
+    assert (v.rc, v.out) == (1, f"missing: {gone}\nmismatched: {bad}\n{n} shards checked, 1 missing, 1 mismatched\n"), v.out + v.err
+    r = geoshard("pull", "--plan", plan, "--region", EU, "--to", replica, cwd=tmp_path, timeout=180)
+    head = f"{EU}: 0 shards fetched (0 bytes), {n} already present, into {replica}; checked by xxh3_128"
+    assert (r.rc, r.err, r.out) == (0, "", f"{head}; 2 chunk indexes fetched, {n - 2} already present\n"), r.err[-3000:]
+    assert bad.read_bytes() == (split2 / bad.name).read_bytes() and gone.read_bytes() == (split2 / gone.name).read_bytes()
+    assert geoshard("verify", replica, cwd=tmp_path, timeout=120).rc == 0
+
+    # An index damaged in the bucket: retried, then one line naming it; no index and no
+    # manifest published into the fresh replica (its verified shards stay, as for version 1).
+    key = f"train/{chunkindex.index_name(m.shards[1].path)}"
+    c = aws.client()
+    body = c.get_object(Bucket=bucket, Key=key)["Body"].read()
+    c.put_object(Bucket=bucket, Key=key, Body=body[:-1] + bytes([body[-1] ^ 0x01]))
+    fresh = tmp_path / "fresh"
+    r = geoshard("pull", "--plan", plan, "--region", EU, "--to", fresh, cwd=tmp_path, timeout=180)
+    lines = r.err.splitlines()
+    assert (r.rc, r.out, len(lines)) == (1, "", 3), r.err[-3000:]
+    assert all("1 download(s) failed or did not verify; retrying in" in line for line in lines[:2]), r.err
+    assert lines[2] == (
+        f"geoshard: error: {EU}: 1 chunk index(es) or shard(s) could not be fetched and verified, e.g. s3://{bucket}/{key}; "
+        "the replica's manifest was not updated"
+    )
+    assert {p.name for p in fresh.iterdir()} == {s.path for s in m.shards}

@@ -181,8 +181,15 @@ def pull(
 def _pull_line(report: PullReport, folder: Path) -> str:
     return (
         f"{report.region}: {report.downloaded} shards fetched ({report.bytes_downloaded:,} bytes), {report.skipped} already present, "
-        f"into {folder}" + (f"; checked by {report.hash}" if report.hash else "")
+        f"into {folder}" + (f"; checked by {report.hash}" if report.hash else "") + _indexes_part(report)
     )
+
+
+def _indexes_part(report: PullReport) -> str:
+    """A version 2 region's chunk indexes; nothing for a region without them (version 1)."""
+    if not report.indexes_downloaded and not report.indexes_skipped:
+        return ""
+    return f"; {report.indexes_downloaded} chunk indexes fetched, {report.indexes_skipped} already present"
 
 
 @click.command()

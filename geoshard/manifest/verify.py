@@ -95,12 +95,27 @@ def _check_index(path: Path, shard: ShardEntry, report: VerifyReport) -> None:
         report.missing.append(str(path))
         return
     try:
-        if chunkindex.digest(data) != shard.chunk_index:
-            raise DataError(f"{path}: does not match the chunk_index of its manifest")
-        ShardChunks.from_index(data, str(path), shard.bytes, shard.samples)
+        check_index(data, str(path), shard)
     except DataError as e:
         log.warning("%s", e)
         report.mismatched.append(str(path))
+
+
+def check_index(data: bytes, where: str, shard: ShardEntry) -> None:
+    """Refuse (DataError, one line) an index that is not the one ``shard``'s entry records, or
+    that does not describe the shard whole."""
+    if chunkindex.digest(data) != shard.chunk_index:
+        raise DataError(f"{where}: does not match the chunk_index of its manifest")
+    ShardChunks.from_index(data, where, shard.bytes, shard.samples)
+
+
+def index_matches(path: Path, shard: ShardEntry) -> bool:
+    """Whether the file is the chunk index ``shard``'s entry records (``pull``'s check)."""
+    try:
+        check_index(path.read_bytes(), str(path), shard)
+    except (OSError, DataError):
+        return False
+    return True
 
 
 def verify_split(directory: Path, mode: str = "xxh3") -> tuple[dict[str, RegionManifest], VerifyReport]:
@@ -124,8 +139,10 @@ __all__ = [
     "MODES",
     "VerifyReport",
     "algorithm_for",
+    "check_index",
     "count_samples",
     "file_digests",
+    "index_matches",
     "sha256_file",
     "shard_matches",
     "verify_region",

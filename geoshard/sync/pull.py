@@ -5,6 +5,12 @@ the bucket's manifest and only then renamed into place; the replica's manifest i
 Shards already present and correct are not fetched again. The check is the manifest's xxh3_128
 by default (memory speed; sha256 where the manifest predates it), or sha256 with
 ``verify="sha256"`` (a cryptographic check); the size is checked first in both.
+
+A version 2 region's chunk indexes (``<shard>.chunks``) come in the same batches, each checked
+against its entry's ``chunk_index`` and against its shard (the chunks add up to it), and are
+renamed into place only once everything verified, just before the manifest: a replica holds
+the indexes of the manifest it holds, so ``geoshard verify`` and the loader's local tier can use
+them as they use the bucket's.
 """
 
 from __future__ import annotations
@@ -18,18 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from geoshard.errors import ConfigError, StorageError, SyncError
-from geoshard.manifest import MANIFEST, parse_region_manifest
-from geoshard.manifest.verify import algorithm_for, shard_matches
+from geoshard.manifest import MANIFEST, ShardEntry, chunkindex, parse_region_manifest
+from geoshard.manifest.verify import algorithm_for, index_matches, shard_matches
 from geoshard.plan import Plan
 from geoshard.s3 import REQUEST_TIMEOUT_S
 from geoshard.sync.remote import Bucket, BucketTarget
 from geoshard.sync.transfer import Transfer, Transferer
 from geoshard.util.fsutil import write_atomic
-from geoshard.util.paths import check_shard_path
 from geoshard.util.retry import Backoff
 
 log = logging.getLogger(__name__)
 _sleep = time.sleep  # module-level so tests can record the backoff without touching time.sleep
+_PARTIAL = ".partial"
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,8 @@ class PullReport:
     bytes_downloaded: int = 0
     seconds: float = 0.0
     hash: str = ""  # the digest every shard was checked by: "xxh3_128", "sha256", or both ("sha256+xxh3_128")
+    indexes_downloaded: int = 0  # chunk indexes of a version 2 region (<shard>.chunks), checked by their entry's chunk_index
+    indexes_skipped: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -80,6 +88,21 @@ def pull_targets(plan: Plan, regions: Sequence[str], to: Path | None) -> tuple[l
     return targets, skipped
 
 
+@dataclass(frozen=True)
+class _Item:
+    """One object to fetch: a shard, or (``index``) the chunk index beside it (version 2)."""
+
+    shard: ShardEntry
+    index: bool = False
+
+    @property
+    def path(self) -> str:
+        return chunkindex.index_name(self.shard.path) if self.index else self.shard.path
+
+    def matches(self, file: Path, mode: str) -> bool:
+        return index_matches(file, self.shard) if self.index else shard_matches(file, self.shard, mode)
+
+
 def pull(
     target: BucketTarget,
     settings: PullSettings,
@@ -92,44 +115,72 @@ def pull(
     if data is None:
         raise StorageError(f"{target.url(MANIFEST)}: no manifest in the bucket; run geoshard sync for region {target.region} first")
     manifest = parse_region_manifest(data, target.url(MANIFEST))
-    for s in manifest.shards:  # before anything is written: every path stays under --to
-        check_shard_path(s.path, target.url(MANIFEST))
+    manifest.table.check_shard_names(target.url(MANIFEST))  # before anything is written: every path stays under --to
     mode = settings.verify
     report = PullReport(region=target.region, hash="+".join(sorted({algorithm_for(s, mode) for s in manifest.shards})))
     root = settings.to
     root.mkdir(parents=True, exist_ok=True)
-    missing = [s for s in manifest.shards if not shard_matches(root / s.path, s, mode)]
-    report.skipped = len(manifest.shards) - len(missing)
-    transferer = transferer or Transferer(workers=settings.workers)
+    items = [_Item(s) for s in manifest.shards] + [_Item(s, index=True) for s in manifest.shards if s.chunk_index]
+    missing = [i for i in items if not i.matches(root / i.path, mode)]
+    report.skipped = sum(not i.index for i in items) - sum(not i.index for i in missing)
+    report.indexes_skipped = sum(i.index for i in items) - sum(i.index for i in missing)
+    ready = _fetch(target, root, missing, settings, transferer or Transferer(workers=settings.workers), report, progress)
+    # An index is renamed into place only once every object verified, just before the manifest:
+    # a replica's indexes are those of the manifest it holds, the old one or the new one.
+    for tmp in ready:
+        os.replace(tmp, tmp.with_name(tmp.name[1 : -len(_PARTIAL)]))
+    write_atomic(root / MANIFEST, manifest.to_json())
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def _fetch(
+    target: BucketTarget,
+    root: Path,
+    missing: list[_Item],
+    settings: PullSettings,
+    transferer: Transferer,
+    report: PullReport,
+    progress: Callable[[dict[str, int]], None] | None,
+) -> list[Path]:
+    """Download and verify ``missing``, with retries; shards are renamed into place as they
+    verify, the indexes' verified temporary files are returned. Raises SyncError (the indexes'
+    temporary files removed) when some object is still missing after the last try."""
     delays = settings.backoff.delays()
+    ready: list[Path] = []
     while missing:
         # Hidden temporary names beside their final place: a rename is then atomic, and loaders
         # reading the replica by its manifest never open a partial file.
-        temp = {s.path: (root / s.path).with_name(f".{Path(s.path).name}.partial") for s in missing}
+        temp = {i.path: (root / i.path).with_name(f".{Path(i.path).name}{_PARTIAL}") for i in missing}
         for t in temp.values():
             t.parent.mkdir(parents=True, exist_ok=True)
-        failures = transferer.download([Transfer(str(temp[s.path]), target.url(s.path), s.bytes) for s in missing], target, progress)
+        transfers = [Transfer(str(temp[i.path]), target.url(i.path), 0 if i.index else i.shard.bytes) for i in missing]
+        failures = transferer.download(transfers, target, progress)
         retry = []
-        for s in missing:
-            tmp = temp[s.path]
-            if target.url(s.path) not in failures and shard_matches(tmp, s, mode):
-                os.replace(tmp, root / s.path)
-                report.downloaded += 1
-                report.bytes_downloaded += s.bytes
-            else:
+        for i in missing:
+            tmp = temp[i.path]
+            if target.url(i.path) in failures or not i.matches(tmp, settings.verify):
                 tmp.unlink(missing_ok=True)
-                retry.append(s)
+                retry.append(i)
+            elif i.index:
+                ready.append(tmp)
+                report.indexes_downloaded += 1
+            else:
+                os.replace(tmp, root / i.path)
+                report.downloaded += 1
+                report.bytes_downloaded += i.shard.bytes
         missing = retry
         if missing:
             delay = next(delays, None)
             if delay is None:
+                for tmp in ready:
+                    tmp.unlink(missing_ok=True)
                 report.failed = len(missing)
+                what = "chunk index(es) or shard(s)" if any(i.index for i in missing) else "shard(s)"
                 raise SyncError(
-                    f"{target.region}: {len(missing)} shard(s) could not be fetched and verified, e.g. {target.url(missing[0].path)}; "
+                    f"{target.region}: {len(missing)} {what} could not be fetched and verified, e.g. {target.url(missing[0].path)}; "
                     "the replica's manifest was not updated"
                 )
             log.warning("%s: %d download(s) failed or did not verify; retrying in %.1f s", target.region, len(missing), delay)
             _sleep(delay)
-    write_atomic(root / MANIFEST, manifest.to_json())
-    report.seconds = time.monotonic() - t0
-    return report
+    return ready
