@@ -1,9 +1,18 @@
-"""Benchmark: a no-op re-sync of a version 2 region as it grows (issue 21: sync stays proportional).
+"""Benchmark: sync, pull, verify and refresh of a version 2 region as it grows (issue 21: they stay
+proportional to the shard count; a no-op re-run lists and compares, nothing more).
 
-A synthetic split of one region with N small shards (1 KiB, one sample, one chunk: what is
-measured is the per-object bookkeeping, not bytes) and their chunk indexes is synced once into a
-fresh prefix of a local SeaweedFS, then synced again: the re-sync must list, compare and upload
-nothing. Its wall and CPU time (the ``geoshard`` process) per N show how the cost grows.
+A synthetic split of one region with N tiny shards (a valid 2 KiB tar of one sample each, one
+chunk, its chunk index beside it: what is measured is the per-shard bookkeeping, not bytes) is
+published into a fresh prefix of a local SeaweedFS and then, each as a ``geoshard`` process:
+
+- ``sync`` (first) and ``sync`` again: the no-op re-sync must upload nothing;
+- ``pull`` into an empty replica (first) and ``pull`` again: the no-op pull fetches nothing (it
+  still re-hashes every local shard and index: 2 KiB each here, so per-entry cost dominates);
+- ``verify`` of the replica: each entry's shard size, xxh3_128, sample count and chunk index;
+- ``refresh`` with its sources unchanged: the source check, no split, a no-op sync.
+
+The baseline, measured in the same run, is the process's start (``geoshard --version``); each
+step's per-shard cost is its slope between the sizes, so a constant slope is proportional growth.
 
     .venv/bin/python bench/manifest_sync_bench.py --shards 1000 10000 30000
 
@@ -14,59 +23,119 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import resource
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the SeaweedFS launcher the test suite uses
-from manifest_bench import record, save  # noqa: E402 - beside this file
+from manifest_bench import save  # noqa: E402 - beside this file
 from servers import SeaweedS3  # noqa: E402
 
-from geoshard.manifest import Manifest, RegionManifest, RegionSummary, ShardChunks, ShardEntry, chunkindex  # noqa: E402
+from geoshard.manifest import Manifest, RegionManifest, RegionSummary, ShardChunks, ShardEntry, SourceEntry, chunkindex  # noqa: E402
+from geoshard.plan import load_plan  # noqa: E402
+from geoshard.split.sources import expand_sources  # noqa: E402
 from geoshard.util.fsutil import write_atomic  # noqa: E402
 from geoshard.util.hashing import xxh3_128  # noqa: E402
 
 GEOSHARD = str(Path(sys.executable).with_name("geoshard"))
 REGION = "us-east-1"
+PER_GROUP = 10_000  # shards per group (the name's part has 4 digits)
+STEPS = ("sync", "resync", "pull", "repull", "verify", "refresh")
 
 
-def fake_split(out: Path, count: int) -> Path:
-    """A split folder with one version 2 region of ``count`` 1 KiB shards and their chunk indexes."""
+def tiny_tar(key: str) -> bytes:
+    """One WebDataset sample (``key.bin``, 100 bytes) as a whole tar: 2 KiB with its end blocks."""
+    body = key.encode().ljust(100, b".")
+    info = tarfile.TarInfo(f"{key}.bin")
+    info.size, info.mtime = len(body), 0
+    return info.tobuf(tarfile.USTAR_FORMAT) + body.ljust(512, b"\0") + bytes(1024)
+
+
+def fake_split(out: Path, sources: Path, count: int, plan_path: Path) -> Path:
+    """A split folder with one version 2 region of ``count`` tiny shards and their chunk indexes,
+    made as from one tiny source per group in ``sources`` (so ``refresh`` finds them unchanged)."""
     rdir = out / REGION
     rdir.mkdir(parents=True)
+    sources.mkdir()
+    groups = (count + PER_GROUP - 1) // PER_GROUP
+    for g in range(groups):
+        (sources / f"src-{g:05d}.tar").write_bytes(tiny_tar(f"source-{g}"))
     entries = []
     for i in range(count):
-        data = hashlib.shake_256(f"{i}".encode()).digest(1024)
+        data = tiny_tar(f"s{i:08d}")
         sha, fast = hashlib.sha256(data).hexdigest(), xxh3_128(data)
-        name = f"{i // 10000:05d}-{i % 10000:04d}-{sha[:12]}.tar"
+        name = f"{i // PER_GROUP:05d}-{i % PER_GROUP:04d}-{sha[:12]}.tar"
         (rdir / name).write_bytes(data)
-        chunks = ShardChunks(512 << 10, (1024,), (1,), (fast,))
+        chunks = ShardChunks(512 << 10, (len(data),), (1,), (fast,))
         (rdir / chunkindex.index_name(name)).write_bytes(chunks.index())
-        entries.append(ShardEntry(name, 1, 1024, sha, i // 10000, fast, chunks))
-    rm = RegionManifest(REGION, "wds", 1, "bench", entries, 2)
+        entries.append(ShardEntry(name, 1, len(data), sha, i // PER_GROUP, fast, chunks))
+    plan = load_plan(plan_path)
+    rm = RegionManifest(REGION, "wds", 1, plan.sha256(), entries, 2)
     data = rm.to_json()
     write_atomic(rdir / "manifest.json", data)
     summary = RegionSummary(f"{REGION}/manifest.json", count, count, rm.bytes, hashlib.sha256(data).hexdigest())
-    write_atomic(out / "manifest.json", Manifest(1, "bench", "wds", {}, "bench", "", {REGION: summary}, ()).to_json())
+    refs = expand_sources([str(sources)])
+    srcs = tuple(SourceEntry(r.url, r.size, "", g, xxh3_128(Path(r.url).read_bytes())) for g, r in enumerate(refs))
+    top = Manifest(1, "bench", "wds", plan.to_dict(), plan.sha256(), plan.layout_sha256(), {REGION: summary}, srcs)
+    write_atomic(out / "manifest.json", top.to_json())
     return out
 
 
-def sync(folder: Path, plan: Path, env: dict[str, str]) -> tuple[float, float, dict[str, object]]:
-    """(wall s, CPU s of the geoshard process, its region report)."""
+def run(argv: list[str], env: dict[str, str], code: int = 0) -> tuple[float, float, str]:
+    """(wall s, CPU s of the process and what it waited for, its stdout)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    argv = [GEOSHARD, "sync", str(folder), "--plan", str(plan), "--json"]
-    done = subprocess.run(argv, check=True, env=env, capture_output=True, text=True, timeout=3600)
+    done = subprocess.run([GEOSHARD, *argv], env=env, capture_output=True, text=True, timeout=3600, check=False)
     wall = time.perf_counter() - t
+    if done.returncode != code:
+        raise RuntimeError(f"geoshard {' '.join(argv)} exited {done.returncode}: {done.stderr[-2000:]}")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return wall, cpu, json.loads(done.stdout)["regions"][REGION]
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), done.stdout
+
+
+def one_size(tmp: Path, n: int, bucket: str, server: SeaweedS3, env: dict[str, str]) -> dict[str, float]:
+    plan = tmp / f"plan-{n}.toml"
+    plan.write_text(f'[regions.{REGION}]\nweight = 1\nbucket = "s3://{bucket}/n{n}"\nendpoint = "{server.endpoint}"\n')
+    folder, sources, replica = fake_split(tmp / f"split-{n}", tmp / f"src-{n}", n, plan), tmp / f"src-{n}", tmp / f"replica-{n}"
+    pull = ["pull", "--plan", str(plan), "--region", REGION, "--to", str(replica), "--json"]
+    got: dict[str, tuple[float, float, str]] = {
+        "sync": run(["sync", str(folder), "--plan", str(plan), "--json"], env),
+        "resync": run(["sync", str(folder), "--plan", str(plan), "--json"], env),
+        "pull": run(pull, env),
+        "repull": run(pull, env),
+        "verify": run(["verify", str(replica), "--json"], env),
+        "refresh": run(["refresh", str(sources), "--plan", str(plan), "--out", str(folder), "--json"], env),
+    }
+    resync = json.loads(got["resync"][2])["regions"][REGION]
+    assert resync["uploaded"] == 0 and resync["skipped"] == n, resync
+    repull = json.loads(got["repull"][2])
+    assert (repull["downloaded"], repull["skipped"], repull["indexes_downloaded"], repull["indexes_skipped"]) == (0, n, 0, n), repull
+    verified = json.loads(got["verify"][2])
+    assert verified["checked"] == n and not verified["missing"] and not verified["mismatched"], verified
+    refreshed = json.loads(got["refresh"][2])
+    assert refreshed["split"]["unchanged"] and refreshed["sync"]["regions"][REGION]["uploaded"] == 0, refreshed
+    row: dict[str, float] = {"shards": n}
+    for step, (wall, cpu, _) in got.items():
+        row[f"{step}_s"], row[f"{step}_cpu_s"] = wall, cpu
+    return row
+
+
+def slopes(rows: list[dict[str, float]]) -> list[str]:
+    """Per-shard CPU and wall (ms) of each step between consecutive sizes."""
+    lines = []
+    for a, b in itertools.pairwise(rows):
+        d = b["shards"] - a["shards"]
+        parts = [f"{s} {1e3 * (b[f'{s}_cpu_s'] - a[f'{s}_cpu_s']) / d:.3f}/{1e3 * (b[f'{s}_s'] - a[f'{s}_s']) / d:.3f}" for s in STEPS]
+        lines.append(f"{int(a['shards']):,} -> {int(b['shards']):,} shards, ms a shard (CPU/wall): " + ", ".join(parts))
+    return lines
 
 
 def main() -> None:
@@ -80,15 +149,15 @@ def main() -> None:
         for k in SeaweedS3.UNSET_ENV:
             env.pop(k, None)
         bucket = server.make_bucket("bench")[5:]
-        for n in args.shards:
-            folder = fake_split(Path(tmp) / f"split-{n}", n)
-            plan = Path(tmp) / f"plan-{n}.toml"
-            plan.write_text(f'[regions.{REGION}]\nweight = 1\nbucket = "s3://{bucket}/n{n}"\nendpoint = "{server.endpoint}"\n')
-            first = sync(folder, plan, env)
-            again = sync(folder, plan, env)
-            assert again[2]["uploaded"] == 0 and again[2]["skipped"] == n, again
-            row = {"shards": n, "first_s": first[0], "noop_s": again[0], "noop_cpu_s": again[1]}
-            record(rows, row, f"first sync {first[0]:7.1f} s; no-op re-sync {again[0]:6.2f} s (CPU {again[1]:.2f} s), 0 uploads")
+        base = run(["--version"], env)
+        print(f"baseline (geoshard --version): {base[0]:.2f} s wall, {base[1]:.2f} s CPU; load {os.getloadavg()[0]:.1f}", flush=True)
+        for n in sorted(args.shards):
+            row = one_size(Path(tmp), n, bucket, server, env) | {"start_s": base[0], "start_cpu_s": base[1], "load": os.getloadavg()[0]}
+            rows.append(row)
+            cells = "  ".join(f"{s} {row[f'{s}_s']:.2f} s (CPU {row[f'{s}_cpu_s']:.2f})" for s in STEPS)
+            print(f"{n:>7,} shards  {cells}  load {row['load']:.1f}", flush=True)
+    for line in slopes(rows):
+        print(line)
     save(rows, args.json_out)
 
 
