@@ -281,3 +281,46 @@ def test_pull_copies_the_chunk_indexes_verify_checks_them_and_the_chain_reads_th
         "the replica's manifest was not updated"
     )
     assert {p.name for p in fresh.iterdir()} == {s.path for s in m.shards}
+
+
+# -- the default version --------------------------------------------------------------------------
+
+
+def _more(path: Path, count: int) -> None:
+    """A source of ``count`` samples with keys of its own."""
+    with tarfile.open(path, "w") as tar:
+        for i in range(count):
+            body = bytes(600)
+            info = tarfile.TarInfo(f"more-{i:05d}.bin")
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+
+
+def test_a_split_writes_version_2_once_a_region_is_large(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Version 1 below ``V2_FROM_SHARDS`` shards a region (lowered here: the rule, not 10^4 real
+    shards); an incremental split that grows past it moves to version 2 and writes the index of
+    every shard, kept ones included; ``manifest_version=1`` keeps version 1 at any size."""
+    from geoshard.manifest import model
+    from geoshard.plan import load_plan
+    from geoshard.split import SplitSettings, run_split
+
+    monkeypatch.setattr(model, "V2_FROM_SHARDS", 30)
+    make_corpus(tmp_path / "a", samples=20, sample_bytes=500, shard_samples=20)
+    (tmp_path / "plan.toml").write_text(f"[shards]\nsamples = 1\n[regions.{EU}]\nweight = 1\n")
+    plan = load_plan(tmp_path / "plan.toml")
+    out = tmp_path / "split"
+    run_split([str(tmp_path / "a")], plan, SplitSettings(out=out, workers=1))
+    small = read_region_manifest(out / EU)
+    assert (small.version, len(small.shards)) == (1, 20) and not list((out / EU).glob("*.chunks"))
+    _more(tmp_path / "a" / "more.tar", 15)
+    run_split([str(tmp_path / "a")], plan, SplitSettings(out=out, workers=1, incremental=True))
+    large = read_region_manifest(out / EU)
+    assert (large.version, len(large.shards)) == (2, 35)
+    assert {s.path for s in small.shards} < {s.path for s in large.shards}
+    for s in large.shards:
+        assert chunkindex.digest((out / EU / chunkindex.index_name(s.path)).read_bytes()) == s.chunk_index
+    v = geoshard("verify", out, cwd=tmp_path, timeout=120)
+    assert (v.rc, v.err, v.out) == (0, "", "35 shards checked, 0 missing, 0 mismatched\n")
+    pinned = tmp_path / "pinned"
+    run_split([str(tmp_path / "a")], plan, SplitSettings(out=pinned, workers=1, manifest_version=1))
+    assert read_region_manifest(pinned / EU).version == 1

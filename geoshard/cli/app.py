@@ -83,7 +83,7 @@ def main(verbose: int) -> None:
     type=click.Choice(["1", "2"]),
     help="Region manifests: 1 lists each shard's chunk hashes inline; 2 keeps one entry per shard and "
     "writes each shard's chunk index beside it (<shard>.chunks), for regions of 10^5 shards (docs/manifest.md). "
-    "Default: the version of the split already in --out, else 1.",
+    "Default: 2 for a split with a region of 10,000 shards or more, else the version of the split already in --out, else 1.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def split(

@@ -8,6 +8,7 @@ entries as columns, ``chunkindex`` the binary chunk index beside each shard (ver
 from geoshard.manifest.entry import ShardChunks, ShardEntry
 from geoshard.manifest.model import (
     MANIFEST,
+    V2_FROM_SHARDS,
     VERSION,
     VERSIONS,
     Manifest,
@@ -15,6 +16,7 @@ from geoshard.manifest.model import (
     RegionSummary,
     SourceEntry,
     check_relpath,
+    default_version,
     dumps,
     parse_region_manifest,
     read_manifest,
@@ -25,6 +27,7 @@ from geoshard.manifest.table import ShardTable
 
 __all__ = [
     "MANIFEST",
+    "V2_FROM_SHARDS",
     "VERSION",
     "VERSIONS",
     "Manifest",
@@ -35,6 +38,7 @@ __all__ = [
     "ShardTable",
     "SourceEntry",
     "check_relpath",
+    "default_version",
     "dumps",
     "parse_region_manifest",
     "read_manifest",

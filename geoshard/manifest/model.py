@@ -28,7 +28,21 @@ from geoshard.manifest.table import Rows, ShardTable
 from geoshard.util.paths import plain_relative
 
 MANIFEST = "manifest.json"
-VERSION = 1  # what a split writes unless asked for 2 (one entry per shard, chunk indexes beside the shards)
+VERSION = 1  # what a small split writes unless asked for 2 (one entry per shard, chunk indexes beside the shards)
+# From this many shards in a region a split writes version 2 unless asked for 1: version 1 then
+# takes ~1 s of CPU and ~80 MB to open in every process (docs/benchmarks.md), and grows linearly.
+# Below it version 1 opens in a fraction of that and a reader needs no GET per shard for its
+# chunks (the loader fetches a version 2 shard's index before planning its chunks).
+V2_FROM_SHARDS = 10_000
+
+
+def default_version(most_shards: int, previous: int = VERSION) -> int:
+    """The region manifests' version a split writes when not told: 2 once a region holds
+    ``V2_FROM_SHARDS`` shards (a version 1 folder that grows that far moves to 2), else the
+    version of the split it replaces (``previous``), else 1."""
+    return 2 if most_shards >= V2_FROM_SHARDS else previous
+
+
 VERSIONS = (1, 2)
 
 

@@ -32,6 +32,7 @@ from geoshard.manifest import (
     RegionSummary,
     ShardEntry,
     SourceEntry,
+    default_version,
     read_manifest,
     read_region_manifest,
 )
@@ -57,7 +58,8 @@ class SplitSettings:
     incremental: bool = False  # re-split only groups whose sources changed, add new sources as new groups
     allow_truncated_tar: bool = False  # split tars that end without end-of-archive blocks; SplitResult.truncated names them
     # Region manifests' version (docs/manifest.md): 2 keeps one entry per shard and each shard's chunk
-    # index beside it; None: that of the split already in ``out`` (an incremental split keeps it), else 1.
+    # index beside it; None: 2 once a region holds V2_FROM_SHARDS shards, else that of the split
+    # already in ``out`` (an incremental split keeps it), else 1 (``manifest.default_version``).
     manifest_version: int | None = None
 
 
@@ -148,7 +150,7 @@ def _run_split(sources: Sequence[str], plan: Plan, settings: SplitSettings, prog
                 progress({"total_bytes": sum(ref.size for t in tasks for ref in t.sources)})
             kind = cluster_kind(settings, any(ref.url.startswith("s3://") for _, g in work for ref in g))
             results, timing = _run_tasks(tasks, settings, kind, progress, _kept_keys(out, kept))
-            version = settings.manifest_version or _previous_version(out, previous)
+            version = (settings.manifest_version, _previous_version(out, previous))
             manifest, regions = _manifests(plan, fmt, results, previous, version, _kept_entries(out, previous, kept), settings.created)
             publish(out, tmpdir, manifest, regions, {r.group: r.key_hashes for r in results})
         except BaseException:
@@ -329,19 +331,24 @@ def _manifests(
     fmt: Format,
     results: list[GroupResult],
     previous: Manifest | None,
-    version: int,
+    version: tuple[int | None, int],
     kept: tuple[dict[str, list[ShardEntry]], list[SourceEntry]] = ({}, []),
     created: str | None = None,
 ) -> tuple[Manifest, dict[str, RegionManifest]]:
+    """``version``: the one asked for (None: ``default_version``) and that of the split replaced."""
     generation = (previous.generation + 1) if previous else 1
     plan_sha = plan.sha256()
     regions: dict[str, RegionManifest] = {}
     summaries: dict[str, RegionSummary] = {}
+    per_region = {}
     for name in plan.region_names:
         mine = [s for r in results for s in r.shards if s.region == name]
         fresh = [ShardEntry(s.name, s.samples, s.bytes, s.sha256, s.group, s.xxh3_128, s.chunks) for s in mine]
-        shards = tuple(sorted(fresh + kept[0].get(name, []), key=lambda e: e.path))
-        rm = RegionManifest(name, fmt, generation, plan_sha, shards, version)
+        per_region[name] = tuple(sorted(fresh + kept[0].get(name, []), key=lambda e: e.path))
+    asked, before = version
+    written = asked or default_version(max(map(len, per_region.values()), default=0), before)
+    for name, shards in per_region.items():
+        rm = RegionManifest(name, fmt, generation, plan_sha, shards, written)
         regions[name] = rm
         summaries[name] = RegionSummary(
             manifest=f"{name}/{MANIFEST}", shards=len(shards), samples=rm.samples, bytes=rm.bytes, sha256=manifest_sha(rm)
