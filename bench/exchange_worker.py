@@ -186,7 +186,7 @@ def measure(ctx: Ctx, variant: str, nbytes: int, warmup: int, repeats: int) -> d
         def run() -> None:
             engine(ctx, variant, t)
 
-    participates = variant != "ring" and not variant.startswith("streams-") or ctx.k == 0
+    participates = (variant != "ring" and not variant.startswith("streams-")) or ctx.k == 0
     for _ in range(warmup):
         t.fill_(ctx.region + 1)
         dist.barrier()
