@@ -149,13 +149,18 @@ def _row(res: dict, crossed: dict[str, int], load: float, ppr: int, wan: Rehears
         "link_B": per_link,
         "load_1min": round(load, 2),
     }
-    if "phases_rank0_s" in res:
-        row["phases_median_s"] = {k: round(statistics.median(v), 3) for k, v in res["phases_rank0_s"].items()}
+    if "phases_s" in res:  # torchft: per region, each phase's median, and the first round's
+        names = dict(enumerate(REGIONS))
+        row["phases_s"] = {
+            names[int(r)]: {k: v if k.startswith("first_") else round(statistics.median(v), 3) for k, v in ph.items()}
+            for r, ph in res["phases_s"].items()
+        }
+        row["phases_median_s"] = row["phases_s"][REGIONS[0]]
     return row
 
 
 def _print_row(r: dict) -> None:
-    extra = "" if "phases_median_s" not in r else " " + " ".join(f"{k} {v:.3f}" for k, v in r["phases_median_s"].items())
+    extra = "".join(f"\n    torchft in {region}: {ph}" for region, ph in r.get("phases_s", {}).items())
     fill = "-" if r["fill"] is None else f"{r['fill']:.0%}"
     print(
         f"{r['variant']:>10} ppr {r['ppr']} {r['mb']:>6.1f} MB: {r['median_s']:7.2f} s ({len(r['times_s'])} runs), bound "
@@ -181,9 +186,10 @@ def table(res: dict) -> str:
             f"| {r['variant']} | {r['ppr']} | {r['mb']:g} MB | {r['median_s']:.2f} s | {len(r['times_s'])} | {r['bound_s']:.2f} s"
             f" | {r['vs_bound']:.2f}x | {fill} | {r['max_link_B']:.2f}B | {r['load_1min']} |"
         )
-    ft = [r for r in res["rows"] if r.get("phases_median_s")]
+    ft = [r for r in res["rows"] if r.get("phases_s")]
     if ft:
-        lines += ["", "torchft per round (rank 0, medians): " + "; ".join(f"{r['mb']:g} MB: {r['phases_median_s']}" for r in ft)]
+        lines += ["", "torchft per round, seconds (medians; first_*: the first round, which forms the quorum and its group):"]
+        lines += [f"- {r['mb']:g} MB, {region}: {ph}" for r in ft for region, ph in r["phases_s"].items()]
     return "\n".join(lines)
 
 

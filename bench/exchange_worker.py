@@ -193,6 +193,7 @@ def measure(ctx: Ctx, variant: str, nbytes: int, warmup: int, repeats: int) -> d
         run()
     if warmup and participates and not bool((t == expect).all()):
         raise RuntimeError(f"{variant}: wrong sum on rank {ctx.rank}: {t[:4].tolist()} != {expect}")
+    first = {k: v[0] for k, v in phases.items()}  # torchft's first round forms the quorum and its group
     phases.clear()
     times = []
     _handshake(ctx, f"BEGIN {variant} {numel * 2}")
@@ -208,8 +209,16 @@ def measure(ctx: Ctx, variant: str, nbytes: int, warmup: int, repeats: int) -> d
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the exchange ends when its last rank has it
     out: dict[str, Any] = {"variant": variant, "bytes": numel * 2, "times_s": [round(x, 4) for x in slowest.tolist()]}
-    if phases:
-        out["phases_rank0_s"] = {k: [round(x, 4) for x in v] for k, v in phases.items()}
+    if phases:  # every rank's, by region (torchft: one rank per region)
+        every: list[Any] = [None] * ctx.args.world
+        dist.all_gather_object(every, {"region": ctx.region, "first": first, "phases": phases})
+        out["phases_s"] = {
+            str(e["region"]): {
+                **{k: [round(x, 4) for x in v] for k, v in e["phases"].items()},
+                **{f"first_{k}": round(x, 4) for k, x in e["first"].items()},
+            }
+            for e in every
+        }
     return out
 
 
