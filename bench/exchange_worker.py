@@ -209,16 +209,17 @@ def measure(ctx: Ctx, variant: str, nbytes: int, warmup: int, repeats: int) -> d
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the exchange ends when its last rank has it
     out: dict[str, Any] = {"variant": variant, "bytes": numel * 2, "times_s": [round(x, 4) for x in slowest.tolist()]}
-    if phases:  # every rank's, by region (torchft: one rank per region)
-        every: list[Any] = [None] * ctx.args.world
-        dist.all_gather_object(every, {"region": ctx.region, "first": first, "phases": phases})
-        out["phases_s"] = {
-            str(e["region"]): {
-                **{k: [round(x, 4) for x in v] for k, v in e["phases"].items()},
-                **{f"first_{k}": round(x, 4) for k, x in e["first"].items()},
-            }
-            for e in every
-        }
+    if phases:  # every rank's, by region (torchft: one rank per region); tensors, as torchft's venv has no numpy
+        names = sorted(phases)
+        mine = torch.tensor([first.get(k, float("nan")) for k in names] + [x for k in names for x in phases[k]], dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(ctx.args.world)]
+        dist.all_gather(every, mine)
+        out["phases_s"] = {}
+        for rank, e in enumerate(every):
+            vals = [round(x, 4) for x in e.tolist()]
+            per = {f"first_{k}": vals[i] for i, k in enumerate(names)}
+            per.update({k: vals[len(names) + i * repeats : len(names) + (i + 1) * repeats] for i, k in enumerate(names)})
+            out["phases_s"][str(rank % ctx.n)] = per
     return out
 
 
