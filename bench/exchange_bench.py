@@ -147,6 +147,7 @@ def _row(res: dict, crossed: dict[str, int], load: float, ppr: int, wan: Rehears
         "fill": round(b["transfer_s"] / (med - b["latency_s"]), 3) if med > b["latency_s"] else None,
         "max_link_B": max(per_link.values()),
         "link_B": per_link,
+        "link_bytes": {k: round(v / len(times)) for k, v in crossed.items()},  # the control traffic, unrounded
         "load_1min": round(load, 2),
     }
     if "phases_s" in res:  # torchft: per region, each phase's median, and the first round's
