@@ -21,7 +21,7 @@ latency term: the share of the slowest link the exchange used. Bytes on each dir
 exchange come from the forwarder's counters around the timed repeats, as a multiple of B. Every
 figure carries the 1-minute load average taken when it was measured.
 
-    sudo .venv/bin/python bench/exchange_bench.py                # ~30-40 minutes on 2 busy cores
+    sudo .venv/bin/python bench/exchange_bench.py                # ~21 minutes on 2 busy cores
     sudo .venv/bin/python bench/exchange_bench.py --small        # smoke run, ~3 minutes
     sudo .venv/bin/python bench/exchange_bench.py --sizes 22 --variants ring,streams-4
 
