@@ -1,0 +1,267 @@
+"""One process of bench/exchange_bench.py, run inside its region's namespace (not run by hand).
+
+It imports torch (and torchft for ``--engine torchft``) and nothing of geoshard, so the same file
+runs in the project's venv and in the separate torchft venv. Rank ``k * n + r`` is process k of
+region r (n regions). All ranks share one plain gloo world (rendezvous on rank 0's address) for
+barriers and for gathering times; each variant's exchange runs on its own groups.
+
+Rank 0 talks to the bench over stdin/stdout, one line each way, so the bench can read the
+forwarder's counters around exactly the timed repeats:
+``BEGIN <variant> <bytes>`` / ``END ...`` (the bench answers ``GO``), ``RESULT <json>``, ``DONE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# The value process k of region r holds: the same in every process of a region (DDP replicas hold
+# the same pseudo-gradient), so every variant's correct sum is the same.
+SUM = {n: n * (n + 1) / 2 for n in range(1, 9)}
+
+
+class Ctx:
+    """This rank's place and groups."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.n, self.ppr, self.rank = args.regions, args.ppr, args.rank
+        self.region, self.k = self.rank % self.n, self.rank // self.n
+        self.timeout = timedelta(seconds=args.timeout)
+        self.ring: Any = None
+        self.streams: list[Any] = []  # K groups over the regions' first processes
+        self.cross: list[list[Any]] = []  # cross[k][s]: process k of every region, stream s
+        self.local: list[Any] = []  # local[r]: region r's processes
+        self.manager: Any = None  # torchft's Manager, one per region
+        self.lighthouse: Any = None  # torchft's Lighthouse (rank 0 only)
+        self.group_store: Any = None  # the region's own store, which torchft's Manager joins
+
+
+def _rendezvous(ctx: Ctx) -> None:
+    a = ctx.args
+    store = dist.TCPStore(a.store_addr, a.store_port, a.world, is_master=ctx.rank == 0, timeout=ctx.timeout)
+    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=a.world, timeout=ctx.timeout)
+
+
+def _groups(ctx: Ctx, variants: list[str]) -> None:
+    """Every rank creates every group in the same order (torch's rule for new_group)."""
+    n, ppr = ctx.n, ctx.ppr
+    leaders = list(range(n))
+    k_streams = max([_streams(v) for v in variants if v.startswith("streams-")] or [1])
+    s_streams = max([_streams(v) for v in variants if v.startswith("sharded-")] or [0])
+    ctx.ring = dist.new_group(leaders, timeout=ctx.timeout)
+    ctx.streams = [ctx.ring] + [dist.new_group(leaders, timeout=ctx.timeout) for _ in range(k_streams - 1)]
+    if s_streams:
+        ctx.cross = [[dist.new_group([k * n + r for r in range(n)], timeout=ctx.timeout) for _ in range(s_streams)] for k in range(ppr)]
+        ctx.local = [dist.new_group([k * n + r for k in range(ppr)], timeout=ctx.timeout) for r in range(n)]
+
+
+def _streams(variant: str) -> int:
+    return int(variant.rsplit("-", 1)[1])
+
+
+def _wait_all(works: list[Any]) -> None:
+    for w in works:
+        w.wait()
+
+
+def exchange_gloo(ctx: Ctx, variant: str, t: torch.Tensor) -> None:
+    """One exchange of ``t`` (summed in place) with torch.distributed's gloo groups."""
+    if variant == "ring":
+        if ctx.k == 0:
+            dist.all_reduce(t, group=ctx.ring)
+    elif variant.startswith("streams-"):
+        if ctx.k == 0:
+            chunks = t.tensor_split(_streams(variant))
+            _wait_all([dist.all_reduce(c, group=g, async_op=True) for c, g in zip(chunks, ctx.streams, strict=False)])
+    elif variant.startswith("sharded-"):
+        halves = list(t.tensor_split(ctx.ppr))
+        mine = halves[ctx.k]
+        chunks = mine.tensor_split(_streams(variant))
+        _wait_all([dist.all_reduce(c, group=g, async_op=True) for c, g in zip(chunks, ctx.cross[ctx.k], strict=False)])
+        if ctx.ppr > 1:  # in-region: no link crossed
+            dist.all_gather(halves, mine, group=ctx.local[ctx.region])
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+
+
+def exchange_geoshard(ctx: Ctx, variant: str, t: torch.Tensor) -> None:
+    """HOOK for ``--transport geoshard``: call the project's peer-to-peer exchange here.
+
+    Wire the outer exchange of trainer/diloco/ (``--outer-streams``; issue 23) once it lands: it
+    should sum ``t`` in place across regions, process ctx.k owning shard k, with the variant's
+    stream count (``_streams(variant)``), so the bench's timing, bytes and checks apply unchanged.
+    """
+    raise NotImplementedError("--transport geoshard: exchange_geoshard in bench/exchange_worker.py is not wired yet")
+
+
+# -- torchft -----------------------------------------------------------------------------------
+
+
+def torchft_setup(ctx: Ctx) -> None:
+    """Lighthouse in rank 0's process (us-east-1's address); a Manager per region (one rank each)."""
+    from torchft import Manager, ProcessGroupGloo
+    from torchft._torchft import LighthouseServer
+
+    a = ctx.args
+    if ctx.rank == 0:
+        ctx.lighthouse = LighthouseServer(bind=f"{a.address}:{a.lighthouse_port}", min_replicas=ctx.n, join_timeout_ms=60_000)
+    dist.barrier()  # the Lighthouse listens before any Manager calls it
+    ctx.group_store = dist.TCPStore(a.address, a.group_store_port, 1, is_master=True, timeout=ctx.timeout)
+    ctx.manager = Manager(
+        pg=ProcessGroupGloo(timeout=ctx.timeout),
+        load_state_dict=lambda _state: None,
+        state_dict=lambda: {},
+        min_replica_size=ctx.n,
+        use_async_quorum=False,
+        timeout=ctx.timeout,
+        quorum_timeout=ctx.timeout,
+        connect_timeout=ctx.timeout,
+        rank=0,
+        world_size=1,
+        store_addr=a.address,
+        store_port=a.group_store_port,
+        lighthouse_addr=f"http://{a.store_addr}:{a.lighthouse_port}",
+        replica_id=f"region{ctx.region}",
+        hostname=a.address,
+        port=a.manager_port,
+        init_sync=False,
+    )
+
+
+def exchange_torchft(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, list[float]]) -> None:
+    """One torchft round as its DiLoCo does it: quorum, allreduce (averages), should_commit."""
+    m = ctx.manager
+    t0 = time.perf_counter()
+    m.start_quorum()
+    t1 = time.perf_counter()
+    m.allreduce(t).wait()
+    t2 = time.perf_counter()
+    if not m.should_commit():
+        raise RuntimeError("torchft: should_commit returned False")
+    t3 = time.perf_counter()
+    for name, s in (("quorum_s", t1 - t0), ("allreduce_s", t2 - t1), ("commit_s", t3 - t2)):
+        phases.setdefault(name, []).append(s)
+
+
+# -- the harness -------------------------------------------------------------------------------
+
+
+def _handshake(ctx: Ctx, line: str) -> None:
+    """Rank 0 tells the bench and waits (bounded) for its GO; the others wait in the barrier."""
+    dist.barrier()
+    if ctx.rank == 0:
+        print(line, flush=True)
+        ready, _, _ = select.select([sys.stdin], [], [], ctx.args.timeout)
+        if not ready or sys.stdin.readline().strip() != "GO":
+            raise RuntimeError(f"no GO from the bench after {line!r}")
+    dist.barrier()
+
+
+def measure(ctx: Ctx, variant: str, nbytes: int, warmup: int, repeats: int) -> dict[str, Any]:
+    numel = nbytes // 2 // 64 * 64  # fp16; even halves and chunks
+    t = torch.empty(numel, dtype=torch.float16)
+    phases: dict[str, list[float]] = {}
+    run: Callable[[], None]
+    if variant == "torchft":
+        expect = SUM[ctx.n] / ctx.n  # torchft averages
+
+        def run() -> None:
+            exchange_torchft(ctx, variant, t, phases)
+    else:
+        expect = SUM[ctx.n]
+        # The ring stays gloo's: it is the baseline any transport is measured against.
+        engine = exchange_geoshard if ctx.args.transport == "geoshard" and variant != "ring" else exchange_gloo
+
+        def run() -> None:
+            engine(ctx, variant, t)
+
+    participates = (variant != "ring" and not variant.startswith("streams-")) or ctx.k == 0
+    for _ in range(warmup):
+        t.fill_(ctx.region + 1)
+        dist.barrier()
+        run()
+    if warmup and participates and not bool((t == expect).all()):
+        raise RuntimeError(f"{variant}: wrong sum on rank {ctx.rank}: {t[:4].tolist()} != {expect}")
+    first = {k: v[0] for k, v in phases.items()}  # torchft's first round forms the quorum and its group
+    phases.clear()
+    times = []
+    _handshake(ctx, f"BEGIN {variant} {numel * 2}")
+    for _ in range(repeats):
+        t.fill_(ctx.region + 1)
+        dist.barrier()
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    _handshake(ctx, f"END {variant} {numel * 2}")
+    if participates and not bool((t == expect).all()):
+        raise RuntimeError(f"{variant}: wrong sum on rank {ctx.rank}: {t[:4].tolist()} != {expect}")
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the exchange ends when its last rank has it
+    out: dict[str, Any] = {"variant": variant, "bytes": numel * 2, "times_s": [round(x, 4) for x in slowest.tolist()]}
+    if phases:  # every rank's, by region (torchft: one rank per region); tensors, as torchft's venv has no numpy
+        names = sorted(phases)
+        mine = torch.tensor([first.get(k, float("nan")) for k in names] + [x for k in names for x in phases[k]], dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(ctx.args.world)]
+        dist.all_gather(every, mine)
+        out["phases_s"] = {}
+        for rank, e in enumerate(every):
+            vals = [round(x, 4) for x in e.tolist()]
+            per = {f"first_{k}": vals[i] for i, k in enumerate(names)}
+            per.update({k: vals[len(names) + i * repeats : len(names) + (i + 1) * repeats] for i, k in enumerate(names)})
+            out["phases_s"][str(rank % ctx.n)] = per
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--engine", choices=("gloo", "torchft"), default="gloo")
+    p.add_argument("--transport", choices=("gloo", "geoshard"), default="gloo")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--regions", type=int, required=True)
+    p.add_argument("--ppr", type=int, default=1)
+    p.add_argument("--address", required=True, help="this region's address")
+    p.add_argument("--store-addr", required=True, help="rank 0's region's address")
+    p.add_argument("--store-port", type=int, required=True)
+    p.add_argument("--lighthouse-port", type=int, default=0)
+    p.add_argument("--group-store-port", type=int, default=0)
+    p.add_argument("--manager-port", type=int, default=0)
+    p.add_argument("--plan", required=True, help="JSON list of [variant, bytes, warmup, repeats]")
+    p.add_argument("--timeout", type=float, default=900.0)
+    args = p.parse_args()
+    ctx = Ctx(args)
+    plan = json.loads(args.plan)
+    try:
+        _rendezvous(ctx)
+        if args.engine == "torchft":
+            torchft_setup(ctx)
+        else:
+            _groups(ctx, sorted({v for v, *_ in plan}))
+        for variant, nbytes, warmup, repeats in plan:
+            res = measure(ctx, variant, nbytes, warmup, repeats)
+            if ctx.rank == 0:
+                print("RESULT " + json.dumps(res), flush=True)
+        dist.barrier()
+        if ctx.rank == 0:
+            print("DONE", flush=True)
+    except NotImplementedError as e:
+        print(f"exchange_worker: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
+    if ctx.manager is not None:
+        ctx.manager.shutdown(wait=False)
+    os._exit(0)  # skip gloo's and torchft's teardown: the bench stops the namespaces anyway
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

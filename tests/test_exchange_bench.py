@@ -1,0 +1,48 @@
+"""bench/exchange_bench.py's arithmetic: the ring's bound and the run plan (the bench itself needs
+root and ~20 minutes under the WAN rehearsal; docs/benchmarks.md records its runs)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import exchange_bench  # noqa: E402
+
+from geoshard.wan import load_matrix  # noqa: E402
+
+
+@pytest.mark.parametrize(("mb", "issue_bound_s"), [(5.5, 1.03), (91, 10.1)])
+def test_bound_is_the_issues_for_three_regions(mb: float, issue_bound_s: float) -> None:
+    """Issue 23's table: 4/3 B over the slowest link (100 Mbit/s) + 4 one-way trips of 110 ms."""
+    matrix = load_matrix(ROOT / "bench" / "wan-matrix.toml")
+    b = exchange_bench.bound_s(matrix, exchange_bench.REGIONS, int(mb * 1e6))
+    assert b["latency_s"] == pytest.approx(0.44)
+    assert b["transfer_s"] == pytest.approx(4 / 3 * mb * 1e6 / 12.5e6)
+    assert b["bound_s"] == pytest.approx(issue_bound_s, abs=0.05)  # the issue rounds B and the bound
+
+
+def test_bound_for_two_regions_uses_their_link_only() -> None:
+    matrix = load_matrix(ROOT / "bench" / "wan-matrix.toml")
+    b = exchange_bench.bound_s(matrix, ("us-east-1", "eu-west-1"), 25_000_000)
+    assert b["transfer_s"] == pytest.approx(25e6 / 25e6)  # 2(n-1)/n = 1, 200 Mbit/s
+    assert b["latency_s"] == pytest.approx(2 * 0.038)
+
+
+def test_plans_group_variants_by_launch_and_run_large_sizes_once() -> None:
+    args = argparse.Namespace(sizes="22,360", repeats=3, once_from=300.0)
+    plans = exchange_bench._plans(args, ["ring", "streams-8", "sharded-4", "torchft"])
+    assert [(engine, ppr) for engine, ppr, _ in plans] == [("gloo", 1), ("gloo", 2), ("torchft", 1)]
+    one = plans[0][2]
+    assert one == [
+        ["ring", 22_000_000, 1, 3],
+        ["streams-8", 22_000_000, 1, 3],
+        ["ring", 360_000_000, 0, 1],
+        ["streams-8", 360_000_000, 0, 1],
+    ]
+    assert {v for v, *_ in plans[1][2]} == {"sharded-4"}
