@@ -30,6 +30,7 @@ class Constants:
     tier_mb_s: tuple[tuple[str, float], ...] = (("local", 500.0), ("s3", 100.0), ("alluxio", 200.0))  # one worker's fetch rate
     batch_s: float = 0.0005  # a batch's hand-off from a worker to the training process
     checkpoint_s: float = 0.05  # fixed cost of one checkpoint, besides its bytes at local_mb_s
+    store_request_s: float = 0.0  # a store request's own cost beyond its round trip (TCPStore, signing, Python)
     outer_trips_before: int = 3  # store round trips before a round closes (roster, close, members)
     outer_trips_after: int = 3  # and after it (multi_get, latest, state)
 

@@ -48,8 +48,9 @@ def store_round(cfg: SimConfig) -> OuterRound:
     if m < 2 or p <= 0:
         return OuterRound(0.0, 0.0, ())
     links = {r.name: cfg.link(r.name, host) for r in cfg.regions}
-    before = max(transfer_s(p, links[r], k) + k.outer_trips_before * round_trip_s(links[r], k) for r in links)
-    after = max(k.outer_trips_after * round_trip_s(links[r], k) + transfer_s((m - 1) * p, links[r], k) for r in links)
+    trip = {r: round_trip_s(links[r], k) + k.store_request_s for r in links}
+    before = max(transfer_s(p, links[r], k) + k.outer_trips_before * trip[r] for r in links)
+    after = max(k.outer_trips_after * trip[r] + transfer_s((m - 1) * p, links[r], k) for r in links)
     pairs = []
     for r in links:
         if r != host:
