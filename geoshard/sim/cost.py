@@ -28,6 +28,8 @@ DEFAULT_OUT_PRICES: dict[str, float] = {
     "ap-south-1": 0.086,
     "sa-east-1": 0.138,
 }
+# Pairs priced apart from their source's rate (the one found: N. Virginia <-> Ohio).
+DEFAULT_PAIR_PRICES: dict[tuple[str, str], float] = {("us-east-1", "us-east-2"): 0.01, ("us-east-2", "us-east-1"): 0.01}
 FALLBACK_PRICE = 0.09  # a region the table does not know: the common price out of the other AWS regions
 
 
@@ -36,6 +38,8 @@ def price(src: str, dst: str, prices: Iterable[tuple[str, str, float]]) -> tuple
     for a, b, usd in prices:
         if (a, b) == (src, dst) or (a == src and b == "*"):
             return usd, "given"
+    if (src, dst) in DEFAULT_PAIR_PRICES:
+        return DEFAULT_PAIR_PRICES[(src, dst)], "default"
     if src in DEFAULT_OUT_PRICES:
         return DEFAULT_OUT_PRICES[src], "default"
     return FALLBACK_PRICE, "fallback"
