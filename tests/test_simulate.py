@@ -71,9 +71,11 @@ def test_ddp_buckets_of_the_builtin_mlp() -> None:
 
 
 def test_ring_allreduce_by_hand() -> None:
-    # 3 members, 300,000 bytes: 4 steps of 50 ms + 2·2/3·300,000 = 400,000 bytes on a cold flow
-    # (150,000 in 4 round trips, 250,000 at 1 MB/s): 0.2 + 0.4 + 0.25.
-    assert grad.ring_allreduce_s([300_000.0], 3, [SLOW, None], K) == pytest.approx(0.2 + 0.4 + 0.25)
+    # 3 members, 300,000 bytes: 4 steps of a round trip (2 x 50 ms) + 2·2/3·300,000 = 400,000 bytes
+    # on a cold flow (150,000 in 4 round trips, 250,000 at 1 MB/s): 0.4 + 0.4 + 0.25.
+    assert grad.ring_allreduce_s([300_000.0], 3, [SLOW, None], K) == pytest.approx(0.4 + 0.4 + 0.25)
+    one_way = Constants(mss=1000, init_cwnd=10, ring_step_latencies=1.0, trip_s=0.01)
+    assert grad.ring_allreduce_s([300_000.0], 3, [SLOW], one_way) == pytest.approx(4 * 0.06 + 0.4 + 0.25)
     assert grad.ring_allreduce_s([300_000.0], 1, [SLOW], K) == 0.0
 
 

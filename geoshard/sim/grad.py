@@ -50,15 +50,16 @@ def buckets(tensor_bytes: tuple[int, ...]) -> list[int]:
 
 def ring_allreduce_s(sizes: list[float], members: int, hops: list[LinkSpec | None], k: Constants) -> float:
     """All-reduces of ``sizes`` bytes one after another on one ring of ``members``: each is 2(n-1) steps,
-    and each step pays a hop's latency and ``trip_s``; the bytes a hop carries, 2(n-1)/n of the
-    total, flow on one connection that warms up across steps and buckets (its ramp is paid once
-    per optimizer step). The slowest distinct hop sets the pace:
-    T = max over hops of [2(n-1)·len(sizes)·(latency + trip_s) + delivered(2(n-1)/n·sum(sizes))]."""
+    and each step pays ``ring_step_latencies`` of a hop's one-way latency (2: a round trip, the
+    receiver's notice that its buffer is ready, then the chunk) and ``trip_s``; the bytes a hop
+    carries, 2(n-1)/n of the total, flow on one connection that warms up across steps and buckets
+    (its ramp is paid once per optimizer step). The slowest distinct hop sets the pace:
+    T = max over hops of [2(n-1)·len(sizes)·(c·latency + trip_s) + delivered(2(n-1)/n·sum(sizes))]."""
     if members < 2 or not sizes:
         return 0.0
     trips = 2 * (members - 1) * len(sizes)
     carried = 2 * (members - 1) * sum(sizes) / members
-    return max(trips * (one_way(h) + k.trip_s) + _delivered(carried, h, k) for h in hops)
+    return max(trips * (k.ring_step_latencies * one_way(h) + k.trip_s) + _delivered(carried, h, k) for h in hops)
 
 
 def _delivered(nbytes: float, hop: LinkSpec | None, k: Constants) -> float:
