@@ -243,7 +243,8 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
         if cfg.sync == "diloco" or row["measured"]["grad_sync_s_per_step"] <= 0:
             continue
         n = cfg.world_size if cfg.sync == "flat" else len(cfg.regions)
-        count = 2 * (n - 1) * len(grad.buckets(tuple(4 * t for t in cfg.tensor_params)))
+        buckets = len(grad.buckets(tuple(4 * t for t in cfg.tensor_params)))
+        count = 2 * (n - 1) * (-(-buckets // k.gloo_threads) if cfg.sync == "flat" else buckets)
         trips.append((row["measured"]["grad_sync_s_per_step"] - grad.mean_exchange(cfg).seconds) / count)
     k = replace(k, trip_s=round(max(0.0, statistics.median(trips)), 5) if trips else k.trip_s)
     # The store's per-request cost: a round's residual over its requests.

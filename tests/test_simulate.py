@@ -77,6 +77,9 @@ def test_ring_allreduce_by_hand() -> None:
     one_way = Constants(mss=1000, init_cwnd=10, ring_step_latencies=1.0, trip_s=0.01)
     assert grad.ring_allreduce_s([300_000.0], 3, [SLOW], one_way) == pytest.approx(4 * 0.06 + 0.4 + 0.25)
     assert grad.ring_allreduce_s([300_000.0], 1, [SLOW], K) == 0.0
+    # Two buckets of 150,000: the same bytes; in sequence 8 round trips, two at once (flat's gloo threads) 4.
+    assert grad.ring_allreduce_s([150_000.0] * 2, 3, [SLOW], K) == pytest.approx(0.8 + 0.4 + 0.25)
+    assert grad.ring_allreduce_s([150_000.0] * 2, 3, [SLOW], K, concurrent=2) == pytest.approx(0.4 + 0.4 + 0.25)
 
 
 def test_flat_and_hierarchical_cross_bytes_match_the_trainers_count() -> None:

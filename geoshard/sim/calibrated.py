@@ -45,7 +45,7 @@ def load_constants(path: Path | None, base: Constants) -> Constants:
             raise ConfigError(f"{path}: constants.{key}: unknown key (known: {', '.join(k for k in known if k != 'tier_mb_s')})")
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
             raise ConfigError(f"{path}: constants.{key}: must be a number >= 0, got {v!r}")
-        values[key] = int(v) if key in ("mss", "init_cwnd", "outer_trips_before", "outer_trips_after") else float(v)
+        values[key] = int(v) if key in ("mss", "init_cwnd", "gloo_threads", "outer_trips_before", "outer_trips_after") else float(v)
     return dataclasses.replace(base, **values)
 
 

@@ -48,16 +48,17 @@ def buckets(tensor_bytes: tuple[int, ...]) -> list[int]:
     return [*out, cur] if cur else out
 
 
-def ring_allreduce_s(sizes: list[float], members: int, hops: list[LinkSpec | None], k: Constants) -> float:
+def ring_allreduce_s(sizes: list[float], members: int, hops: list[LinkSpec | None], k: Constants, concurrent: int = 1) -> float:
     """All-reduces of ``sizes`` bytes one after another on one ring of ``members``: each is 2(n-1) steps,
     and each step pays ``ring_step_latencies`` of a hop's one-way latency (2: a round trip, the
     receiver's notice that its buffer is ready, then the chunk) and ``trip_s``; the bytes a hop
     carries, 2(n-1)/n of the total, flow on one connection that warms up across steps and buckets
     (its ramp is paid once per optimizer step). The slowest distinct hop sets the pace:
-    T = max over hops of [2(n-1)·len(sizes)·(c·latency + trip_s) + delivered(2(n-1)/n·sum(sizes))]."""
+    T = max over hops of [2(n-1)·ceil(len(sizes)/concurrent)·(c·latency + trip_s) + delivered(2(n-1)/n·sum(sizes))];
+    ``concurrent`` all-reduces in flight at once share their round trips, not their bytes."""
     if members < 2 or not sizes:
         return 0.0
-    trips = 2 * (members - 1) * len(sizes)
+    trips = 2 * (members - 1) * -(-len(sizes) // max(1, concurrent))
     carried = 2 * (members - 1) * sum(sizes) / members
     return max(trips * (k.ring_step_latencies * one_way(h) + k.trip_s) + _delivered(carried, h, k) for h in hops)
 
@@ -115,7 +116,8 @@ def _ring_hops(cfg: SimConfig, order: list[tuple[str, int]]) -> tuple[list[LinkS
 def _flat(cfg: SimConfig, sizes: list[int], wire: float) -> GradStep:
     n = cfg.world_size
     hops, crossing = _ring_hops(cfg, [(r.name, r.ranks) for r in cfg.regions])
-    seconds = ring_allreduce_s([b * wire for b in sizes], n, hops, cfg.constants)
+    # flat's hook is asynchronous: gloo runs its buckets' all-reduces on its worker threads at once
+    seconds = ring_allreduce_s([b * wire for b in sizes], n, hops, cfg.constants, concurrent=cfg.constants.gloo_threads)
     per_hop = sum(2 * (n - 1) * b * wire / n for b in sizes)
     return GradStep(seconds, per_hop * len(crossing), tuple((a, b, per_hop) for a, b in crossing))
 
