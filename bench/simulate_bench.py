@@ -22,6 +22,7 @@ metric: median absolute relative error and the worst configuration.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -217,6 +218,7 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
     """The constants from the calibration runs alone: each from the figure it alone decides."""
     from geoshard.sim import grad, predict
     from geoshard.sim.config import Constants
+    from geoshard.sim.predict import compute_s
 
     k: Constants = base
     # Compute per step (the report's compute without exchange) = overhead + flops / rate: least squares.
@@ -228,7 +230,10 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
         xs.append(6 * params * args.batch_size * s.accum)
         ys.append(per_step - args.step_time)
     slope, intercept = _line(xs, ys)
-    k = replace(k, cpu_gflops=round(1 / max(slope, 1e-13) / 1e9, 3), step_overhead_s=round(max(intercept, 0.0), 5))
+    if slope > 1e-12:  # a rate below 1,000 GFLOPS: the model's size shows in its compute
+        k = replace(k, cpu_gflops=round(1 / slope / 1e9, 3), step_overhead_s=round(max(intercept, 0.0), 5))
+    else:  # it does not (a loaded machine: the compute is waiting for a core): the median overhead alone
+        k = replace(k, cpu_gflops=1e6, step_overhead_s=round(max(0.0, statistics.median(ys)), 5))
     # The loader's start-up: what the first batch takes beyond the manifest and the first shard.
     rest = []
     for row in rows:
@@ -245,7 +250,8 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
         n = cfg.world_size if cfg.sync == "flat" else len(cfg.regions)
         buckets = len(grad.buckets(tuple(4 * t for t in cfg.tensor_params)))
         count = 2 * (n - 1) * (-(-buckets // k.gloo_threads) if cfg.sync == "flat" else buckets)
-        trips.append((row["measured"]["grad_sync_s_per_step"] - grad.mean_exchange(cfg).seconds) / count)
+        idle = compute_s(cfg)
+        trips.append((row["measured"]["grad_sync_s_per_step"] - grad.mean_exchange(cfg, idle_s=idle).seconds) / count)
     k = replace(k, trip_s=round(max(0.0, statistics.median(trips)), 5) if trips else k.trip_s)
     # The store's per-request cost: a round's residual over its requests.
     store = []
@@ -377,13 +383,17 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="smoke run: two calibration and two validation runs of 8 steps")
     ap.add_argument("--json-out", type=Path, default=ROOT / "bench" / "_data" / "simulate_bench.json")
     ap.add_argument("--scale", action="store_true", help="no runs: the simulator's own time at three sizes")
+    ap.add_argument("--resume", action="store_true", help="keep --json-out's runs and do only the others")
     ap.add_argument("--refit", action="store_true", help="no runs: fit and predict again from --json-out's measurements")
     args = ap.parse_args()
     if args.refit:
         return refit(args)
     if args.scale:
         return scale(args)
-    validation = [s for s in VALIDATION if not args.only or s.name in args.only.split(",")]
+    # Sync kinds in turn, so a run stopped early still has some of each.
+    kinds = [[s for s in VALIDATION if s.sync == k] for k in ("flat", "hierarchical", "diloco")]
+    order = [s for group in itertools.zip_longest(*kinds) for s in group if s is not None]
+    validation = [s for s in order if not args.only or s.name in args.only.split(",")]
     calibration = list(CALIBRATION)
     if args.small:
         args.steps, calibration, validation = 8, calibration[:2], [VALIDATION[0], VALIDATION[13]]
@@ -404,6 +414,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="simulate-runs-", dir=args.data))
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     res: dict[str, Any] = {"config": config, "calibration": [], "validation": []}
+    if args.resume and args.json_out.exists():
+        res = json.loads(args.json_out.read_text())
+        res["config"]["resumed"] = res["config"].get("resumed", 0) + 1
     try:
         with SeaweedS3(work / "weed") as server:
             env = server.env(endpoint=False)
@@ -420,9 +433,12 @@ def main() -> int:
                 )
                 for kind, specs in (("calibration", calibration), ("validation", validation)):
                     for spec in specs:
+                        if any(row["spec"]["name"] == spec.name for row in res[kind]):
+                            continue
                         print(f"{kind} {spec.name}: {spec} ... (load {os.getloadavg()[0]:.1f})", flush=True)
                         row = run_one(spec, wan, net, endpoints, env, work, args)
                         row["load"] = round(os.getloadavg()[0], 1)
+                        row["ceiling_mb_s"] = round(wan.ceiling.mb_per_s, 1)
                         res[kind].append(row)
                         print(f"  {row['seconds']} s: {json.dumps(row['measured'])}", flush=True)
                         args.json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -176,8 +176,9 @@ def test_egress_cost_from_the_default_table_and_given_prices() -> None:
 def test_prediction_composes_the_parts() -> None:
     cfg = three(sync="flat", step_time=0.2, batch_size=10, tensor_params=(1_000_000,), checkpoint_every=1000)
     p = predict(cfg)
-    ex = grad.step_exchange(cfg)
     compute = 6 * 1_000_000 * 10 / 1e9 + 0.2
+    ex = grad.step_exchange(cfg, idle_s=compute)  # 0.26 s idle: within every link's rtt + 0.2 s, no slow-start restart
+    assert ex.seconds < grad.step_exchange(cfg).seconds
     assert p.grad_sync_s_per_step == pytest.approx(ex.seconds)
     assert p.compute_s_per_step == pytest.approx(compute)
     wall = p.time_to_first_batch_s + cfg.steps * p.step_s

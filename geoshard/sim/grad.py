@@ -13,6 +13,7 @@ only), a broadcast back; the in-region hops cost B at the region's own rate.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from geoshard.sim.config import Constants, LinkSpec, SimConfig
@@ -48,45 +49,52 @@ def buckets(tensor_bytes: tuple[int, ...]) -> list[int]:
     return [*out, cur] if cur else out
 
 
-def ring_allreduce_s(sizes: list[float], members: int, hops: list[LinkSpec | None], k: Constants, concurrent: int = 1) -> float:
+def ring_allreduce_s(
+    sizes: list[float], members: int, hops: list[LinkSpec | None], k: Constants, concurrent: int = 1, idle_s: float = math.inf
+) -> float:
     """All-reduces of ``sizes`` bytes one after another on one ring of ``members``: each is 2(n-1) steps,
     and each step pays ``ring_step_latencies`` of a hop's one-way latency (2: a round trip, the
     receiver's notice that its buffer is ready, then the chunk) and ``trip_s``; the bytes a hop
     carries, 2(n-1)/n of the total, flow on one connection that warms up across steps and buckets
     (its ramp is paid once per optimizer step). The slowest distinct hop sets the pace:
     T = max over hops of [2(n-1)·ceil(len(sizes)/concurrent)·(c·latency + trip_s) + delivered(2(n-1)/n·sum(sizes))];
-    ``concurrent`` all-reduces in flight at once share their round trips, not their bytes."""
+    ``concurrent`` all-reduces in flight at once share their round trips, not their bytes. A hop idle
+    for ``idle_s`` between steps restarts slow start only past its retransmission timeout
+    (rtt + ``rto_min_s``, Linux's tcp_slow_start_after_idle); a warm one moves at its rate at once."""
     if members < 2 or not sizes:
         return 0.0
     trips = 2 * (members - 1) * -(-len(sizes) // max(1, concurrent))
     carried = 2 * (members - 1) * sum(sizes) / members
-    return max(trips * (k.ring_step_latencies * one_way(h) + k.trip_s) + _delivered(carried, h, k) for h in hops)
+    return max(trips * (k.ring_step_latencies * one_way(h) + k.trip_s) + _delivered(carried, h, k, idle_s) for h in hops)
 
 
-def _delivered(nbytes: float, hop: LinkSpec | None, k: Constants) -> float:
-    return delivered_s(nbytes, 2 * one_way(hop), rate(hop, k), k) if hop is not None else nbytes / rate(None, k)
+def _delivered(nbytes: float, hop: LinkSpec | None, k: Constants, idle_s: float) -> float:
+    if hop is None or idle_s <= 2 * one_way(hop) + k.rto_min_s:
+        return nbytes / rate(hop, k)
+    return delivered_s(nbytes, 2 * one_way(hop), rate(hop, k), k)
 
 
-def step_exchange(cfg: SimConfig, step: int = 0) -> GradStep:
-    """The exchange of one optimizer step (``step`` decides fp16 vs fp32 after ``fp32_after``)."""
+def step_exchange(cfg: SimConfig, step: int = 0, idle_s: float = math.inf) -> GradStep:
+    """The exchange of one optimizer step (``step`` decides fp16 vs fp32 after ``fp32_after``);
+    ``idle_s``: the links' idle time between two steps' exchanges (the step's compute)."""
     if cfg.params <= 0:
         return GradStep(0.0, 0.0, ())
     fp16 = cfg.grad_compression == "fp16" and (cfg.fp32_after is None or step < cfg.fp32_after)
     tensors = cfg.tensor_params or _even_tensors(cfg.params)
     sizes = buckets(tuple(4 * t for t in tensors))
     if cfg.sync == "flat":
-        return _flat(cfg, sizes, 0.5 if fp16 else 1.0)
+        return _flat(cfg, sizes, 0.5 if fp16 else 1.0, idle_s)
     if cfg.sync == "hierarchical":
-        return _hierarchical(cfg, sizes, 0.5 if fp16 else 1.0)
+        return _hierarchical(cfg, sizes, 0.5 if fp16 else 1.0, idle_s)
     return _in_region(cfg, sizes)  # diloco: DDP inside each region only
 
 
-def mean_exchange(cfg: SimConfig) -> GradStep:
+def mean_exchange(cfg: SimConfig, idle_s: float = math.inf) -> GradStep:
     """The exchange averaged over the run: fp16 steps before ``fp32_after``, fp32 after."""
-    a = step_exchange(cfg, 0)
+    a = step_exchange(cfg, 0, idle_s)
     if cfg.grad_compression != "fp16" or cfg.fp32_after is None or cfg.fp32_after >= cfg.steps:
         return a
-    b = step_exchange(cfg, cfg.steps)
+    b = step_exchange(cfg, cfg.steps, idle_s)
     w = cfg.fp32_after / cfg.steps
     pairs = {(s, d): w * n for s, d, n in a.pair_bytes}
     for s, d, n in b.pair_bytes:
@@ -113,19 +121,19 @@ def _ring_hops(cfg: SimConfig, order: list[tuple[str, int]]) -> tuple[list[LinkS
     return hops, crossing
 
 
-def _flat(cfg: SimConfig, sizes: list[int], wire: float) -> GradStep:
+def _flat(cfg: SimConfig, sizes: list[int], wire: float, idle_s: float) -> GradStep:
     n = cfg.world_size
     hops, crossing = _ring_hops(cfg, [(r.name, r.ranks) for r in cfg.regions])
     # flat's hook is asynchronous: gloo runs its buckets' all-reduces on its worker threads at once
-    seconds = ring_allreduce_s([b * wire for b in sizes], n, hops, cfg.constants, concurrent=cfg.constants.gloo_threads)
+    seconds = ring_allreduce_s([b * wire for b in sizes], n, hops, cfg.constants, cfg.constants.gloo_threads, idle_s)
     per_hop = sum(2 * (n - 1) * b * wire / n for b in sizes)
     return GradStep(seconds, per_hop * len(crossing), tuple((a, b, per_hop) for a, b in crossing))
 
 
-def _hierarchical(cfg: SimConfig, sizes: list[int], wire: float) -> GradStep:
+def _hierarchical(cfg: SimConfig, sizes: list[int], wire: float, idle_s: float) -> GradStep:
     n = len(cfg.regions)
     hops, crossing = _ring_hops(cfg, [(r.name, 1) for r in cfg.regions])
-    cross = ring_allreduce_s([b * wire for b in sizes], n, hops, cfg.constants)
+    cross = ring_allreduce_s([b * wire for b in sizes], n, hops, cfg.constants, idle_s=idle_s)
     seconds = cross + _in_region(cfg, sizes).seconds
     per_hop = sum(2 * (n - 1) * b * wire / n for b in sizes)
     return GradStep(seconds, per_hop * len(crossing), tuple((a, b, per_hop) for a, b in crossing))

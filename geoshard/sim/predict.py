@@ -106,8 +106,8 @@ def compute_s(cfg: SimConfig) -> float:
 
 def predict(cfg: SimConfig) -> Prediction:
     k = cfg.constants
-    exchange = grad.mean_exchange(cfg)
     compute = compute_s(cfg)
+    exchange = grad.mean_exchange(cfg, idle_s=compute)  # the links idle while the ranks compute
     checkpoint = (cfg.steps // cfg.checkpoint_every) * (k.checkpoint_s + 8 * cfg.params / (k.local_mb_s * 1e6)) / cfg.steps
     busy = compute + exchange.seconds + checkpoint
     loaders = [region_loader(cfg, r, busy) for r in cfg.regions]
