@@ -241,6 +241,13 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
         p = predict(cfg)
         rest.append(row["measured"]["time_to_first_batch_s"] - (p.time_to_first_batch_s - k.startup_s))
     k = replace(k, startup_s=round(max(0.0, statistics.median(rest)), 4))
+    # The comm hook's own time per bucket: DiLoCo's sync with one rank per region has no network.
+    alone = []
+    for row in rows:
+        cfg = sim_config_of(row, k, args)
+        if cfg.sync == "diloco" and all(r.ranks == 1 for r in cfg.regions) and cfg.params:
+            alone.append(row["measured"]["grad_sync_s_per_step"] / len(grad.buckets(tuple(4 * t for t in cfg.tensor_params))))
+    k = replace(k, bucket_s=round(statistics.median(alone), 5) if alone else k.bucket_s)
     # gloo's per-message overhead: the sync's residual over its message count (2(n-1) per bucket).
     trips = []
     for row in rows:

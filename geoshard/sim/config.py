@@ -24,6 +24,7 @@ class Constants:
     ring_step_latencies: float = 2.0  # one-way latencies per ring step (gloo: the receiver announces its buffer, then the chunk)
     gloo_threads: int = 2  # ProcessGroupGloo's worker threads: flat's asynchronous bucket all-reduces run this many at once
     rto_min_s: float = 0.2  # Linux's minimum retransmission timeout: an idle flow past rtt + this restarts slow start
+    bucket_s: float = 0.0  # the DDP comm hook's own time per bucket, network aside
     trip_s: float = 0.0  # per message overhead of a collective step or a store request (kernel, gloo, Python)
     local_mb_s: float = 2000.0  # a hop inside one region (loopback / the region's network)
     cpu_gflops: float = 10.0  # the built-in model's forward+backward rate per rank (6 x params x samples flops)

@@ -13,6 +13,7 @@ only), a broadcast back; the in-region hops cost B at the region's own rate.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -83,10 +84,13 @@ def step_exchange(cfg: SimConfig, step: int = 0, idle_s: float = math.inf) -> Gr
     tensors = cfg.tensor_params or _even_tensors(cfg.params)
     sizes = buckets(tuple(4 * t for t in tensors))
     if cfg.sync == "flat":
-        return _flat(cfg, sizes, 0.5 if fp16 else 1.0, idle_s)
-    if cfg.sync == "hierarchical":
-        return _hierarchical(cfg, sizes, 0.5 if fp16 else 1.0, idle_s)
-    return _in_region(cfg, sizes)  # diloco: DDP inside each region only
+        out = _flat(cfg, sizes, 0.5 if fp16 else 1.0, idle_s)
+    elif cfg.sync == "hierarchical":
+        out = _hierarchical(cfg, sizes, 0.5 if fp16 else 1.0, idle_s)
+    else:
+        out = _in_region(cfg, sizes)  # diloco: DDP inside each region only
+    # The comm hook's own time per bucket (its cast, copy and the call into gloo), even alone in a region.
+    return dataclasses.replace(out, seconds=out.seconds + len(sizes) * cfg.constants.bucket_s)
 
 
 def mean_exchange(cfg: SimConfig, idle_s: float = math.inf) -> GradStep:

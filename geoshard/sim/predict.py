@@ -41,7 +41,7 @@ class Prediction:
     cross_region_grad_bytes_per_step: float
     io_wait_share_after_first_batch: float
     time_to_first_batch_s: float
-    step_s: float  # wall per optimizer step after the first batch
+    step_s: float  # wall per optimizer step after the first batch, outer rounds included
     compute_s_per_step: float
     outer_round_count: int
     outer_round_s: float  # one round's exchange, before overlap
@@ -152,7 +152,7 @@ def predict(cfg: SimConfig) -> Prediction:
         cross_region_grad_bytes_per_step=exchange.cross_bytes,
         io_wait_share_after_first_batch=wait / step if step > 0 else 0.0,
         time_to_first_batch_s=first,
-        step_s=step,
+        step_s=step + (rounds * round_wait / cfg.steps),
         compute_s_per_step=compute,
         outer_round_count=rounds,
         outer_round_s=rnd.seconds,
