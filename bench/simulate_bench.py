@@ -241,6 +241,9 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
         p = predict(cfg)
         rest.append(row["measured"]["time_to_first_batch_s"] - (p.time_to_first_batch_s - k.startup_s))
     k = replace(k, startup_s=round(max(0.0, statistics.median(rest)), 4))
+    # The hand-off of a batch from a worker when the workers keep up: the IO wait after the first batch.
+    waits = [r["measured"]["io_wait_share_after_first_batch"] * r["measured"]["step_s"] / r["spec"]["accum"] for r in rows]
+    k = replace(k, batch_s=round(statistics.median(waits), 5))
     # The comm hook's own time per bucket: DiLoCo's sync with one rank per region has no network.
     alone = []
     for row in rows:
