@@ -194,7 +194,8 @@ def run_one(spec: Spec, wan: Any, net: Any, endpoints: dict[str, str], env: dict
     rep = build_report(out, cfg.budget)
     measured = {**figures(rep), "wan_bytes": sum(crossed.values())}
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    return {"spec": spec.__dict__, "seconds": round(seconds, 1), "measured": measured, "pairs": crossed, "plan": str(plan)}
+    load = round(os.getloadavg()[0], 1)  # the 1-minute load as the run ends: the host slowdown it ran at
+    return {"spec": spec.__dict__, "seconds": round(seconds, 1), "measured": measured, "pairs": crossed, "plan": str(plan), "load": load}
 
 
 def predict_one(row: dict[str, Any], constants: Path, args: argparse.Namespace) -> dict[str, float | None]:
@@ -204,7 +205,7 @@ def predict_one(row: dict[str, Any], constants: Path, args: argparse.Namespace) 
     spec = Spec(**row["spec"])
     argv = [GEOSHARD, "simulate", *train_argv(spec, Path(row["plan"]), args), "--wan", str(args.matrix), "--rehearsal"]
     argv += ["--constants", str(constants), "--samples", str(args.samples), "--sample-bytes", str(args.sample_bytes)]
-    argv += ["--shard-bytes", str(args.shard_bytes), "--json"]
+    argv += ["--shard-bytes", str(args.shard_bytes), "--host-slowdown", str(slowdown(row)), "--json"]
     if spec.remote:
         argv += ["--data-from", ",".join(f"{a}={b}" for a, b in READS_FROM.items())]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
@@ -214,21 +215,33 @@ def predict_one(row: dict[str, Any], constants: Path, args: argparse.Namespace) 
     return {**figures(rep), "wan_bytes": sum(e["bytes"] for e in rep["egress"])}
 
 
+def slowdown(row: dict[str, Any]) -> float:
+    """The host's slowdown during a run: its 1-minute load over this machine's 2 cores, at least 1."""
+    return max(1.0, row["load"] / 2)
+
+
 def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
-    """The constants from the calibration runs alone: each from the figure it alone decides."""
+    """The constants from the calibration runs alone, each from the figure it alone decides, per
+    unit of host slowdown (each row's residual over its load / cores)."""
     from geoshard.sim import grad, predict
     from geoshard.sim.config import Constants
+    from geoshard.sim.outer import store_round
     from geoshard.sim.predict import compute_s
 
     k: Constants = base
+
+    def at(row: dict[str, Any], kk: Constants) -> Any:  # the row's config, host costs at its load
+        cfg = sim_config_of(row, kk, args)
+        return replace(cfg, constants=replace(kk, host_slowdown=slowdown(row)).on_host())
+
     # Compute per step (the report's compute without exchange) = overhead + flops / rate: least squares.
     xs, ys = [], []
     for row in rows:
         s, m = Spec(**row["spec"]), row["measured"]
         params = s.hidden**2 + 268 * s.hidden + 10
         per_step = m["utilization"] * (m["step_s"] * args.steps + (m["time_to_first_batch_s"] or 0)) / args.steps
-        xs.append(6 * params * args.batch_size * s.accum)
-        ys.append(per_step - args.step_time)
+        xs.append(6 * params * args.batch_size * s.accum / slowdown(row))
+        ys.append((per_step - args.step_time) / slowdown(row))
     slope, intercept = _line(xs, ys)
     if slope > 1e-12:  # a rate below 1,000 GFLOPS: the model's size shows in its compute
         k = replace(k, cpu_gflops=round(1 / slope / 1e9, 3), step_overhead_s=round(max(intercept, 0.0), 5))
@@ -237,42 +250,41 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
     # The loader's start-up: what the first batch takes beyond the manifest and the first shard.
     rest = []
     for row in rows:
-        cfg = sim_config_of(row, k, args)
-        p = predict(cfg)
-        rest.append(row["measured"]["time_to_first_batch_s"] - (p.time_to_first_batch_s - k.startup_s))
+        p = predict(at(row, replace(k, startup_s=0.0)))
+        rest.append((row["measured"]["time_to_first_batch_s"] - p.time_to_first_batch_s) / slowdown(row))
     k = replace(k, startup_s=round(max(0.0, statistics.median(rest)), 4))
     # The hand-off of a batch from a worker when the workers keep up: the IO wait after the first batch.
-    waits = [r["measured"]["io_wait_share_after_first_batch"] * r["measured"]["step_s"] / r["spec"]["accum"] for r in rows]
+    m = [r["measured"] for r in rows]
+    waits = [x["io_wait_share_after_first_batch"] * x["step_s"] / r["spec"]["accum"] / slowdown(r) for x, r in zip(m, rows, strict=True)]
     k = replace(k, batch_s=round(statistics.median(waits), 5))
     # The comm hook's own time per bucket: DiLoCo's sync with one rank per region has no network.
     alone = []
     for row in rows:
-        cfg = sim_config_of(row, k, args)
+        cfg = at(row, k)
         if cfg.sync == "diloco" and all(r.ranks == 1 for r in cfg.regions) and cfg.params:
-            alone.append(row["measured"]["grad_sync_s_per_step"] / len(grad.buckets(tuple(4 * t for t in cfg.tensor_params))))
+            n = len(grad.buckets(tuple(4 * t for t in cfg.tensor_params)))
+            alone.append(row["measured"]["grad_sync_s_per_step"] / n / slowdown(row))
     k = replace(k, bucket_s=round(statistics.median(alone), 5) if alone else k.bucket_s)
     # gloo's per-message overhead: the sync's residual over its message count (2(n-1) per bucket).
     trips = []
     for row in rows:
-        cfg = sim_config_of(row, replace(k, trip_s=0.0), args)
+        cfg = at(row, replace(k, trip_s=0.0))
         if cfg.sync == "diloco" or row["measured"]["grad_sync_s_per_step"] <= 0:
             continue
         n = cfg.world_size if cfg.sync == "flat" else len(cfg.regions)
         buckets = len(grad.buckets(tuple(4 * t for t in cfg.tensor_params)))
         count = 2 * (n - 1) * (-(-buckets // k.gloo_threads) if cfg.sync == "flat" else buckets)
-        idle = compute_s(cfg)
-        trips.append((row["measured"]["grad_sync_s_per_step"] - grad.mean_exchange(cfg, idle_s=idle).seconds) / count)
+        exchange = grad.mean_exchange(cfg, idle_s=compute_s(cfg)).seconds
+        trips.append((row["measured"]["grad_sync_s_per_step"] - exchange) / count / slowdown(row))
     k = replace(k, trip_s=round(max(0.0, statistics.median(trips)), 5) if trips else k.trip_s)
     # The store's per-request cost: a round's residual over its requests.
     store = []
     for row in rows:
-        cfg = sim_config_of(row, replace(k, store_request_s=0.0), args)
+        cfg = at(row, replace(k, store_request_s=0.0))
         if cfg.sync != "diloco" or not row["measured"]["outer_sync_s_mean"]:
             continue
-        from geoshard.sim.outer import store_round
-
         requests = k.outer_trips_before + k.outer_trips_after
-        store.append((row["measured"]["outer_sync_s_mean"] - store_round(cfg).seconds) / requests)
+        store.append((row["measured"]["outer_sync_s_mean"] - store_round(cfg).seconds) / requests / slowdown(row))
     return replace(k, store_request_s=round(max(0.0, statistics.median(store)), 4) if store else k.store_request_s)
 
 
@@ -447,7 +459,6 @@ def main() -> int:
                             continue
                         print(f"{kind} {spec.name}: {spec} ... (load {os.getloadavg()[0]:.1f})", flush=True)
                         row = run_one(spec, wan, net, endpoints, env, work, args)
-                        row["load"] = round(os.getloadavg()[0], 1)
                         row["ceiling_mb_s"] = round(wan.ceiling.mb_per_s, 1)
                         res[kind].append(row)
                         print(f"  {row['seconds']} s: {json.dumps(row['measured'])}", flush=True)

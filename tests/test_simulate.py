@@ -196,6 +196,16 @@ def test_simconfig_refuses_a_missing_link_and_a_bad_overlap() -> None:
         three(sync="diloco", outer_steps=10, outer_overlap=10)
 
 
+def test_host_slowdown_scales_the_hosts_costs_only() -> None:
+    k = Constants(trip_s=0.01, startup_s=1.0, store_request_s=0.5, mss=1000, ceiling_mb_s=800.0, host_slowdown=3.0).on_host()
+    assert (k.trip_s, k.startup_s, k.store_request_s) == pytest.approx((0.03, 3.0, 1.5))
+    assert (k.mss, k.ceiling_mb_s, k.host_slowdown) == (1000, 800.0, 1.0)  # the network's figures stay
+    slow = predict(three(sync="flat", constants=Constants(startup_s=1.0, host_slowdown=4.0)))
+    assert slow.time_to_first_batch_s - predict(three(sync="flat", constants=Constants(startup_s=1.0))).time_to_first_batch_s == (
+        pytest.approx(3.0 + 3 * (2 * Constants().request_s), rel=1e-6)
+    )
+
+
 def test_constants_file_round_trip(tmp_path: Path) -> None:
     k = Constants(ceiling_mb_s=547.0, trip_s=0.0123, startup_s=2.5)
     path = tmp_path / "k.toml"

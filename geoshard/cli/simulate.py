@@ -49,6 +49,13 @@ def _kv(text: str | None, option: str) -> dict[str, str]:
     type=click.Path(dir_okay=False, path_type=Path),
     help="The model's fitted constants (TOML, [constants]; bench/simulate_bench.py writes one).",
 )
+@click.option(
+    "--host-slowdown",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=1.0, max=1000.0),
+    help="This host's work runs this many times slower than on a dedicated core (a shared machine: load / cores).",
+)
 @click.option("--json", "as_json", is_flag=True, help="report.json's field names, for a field-by-field comparison with a run.")
 def simulate(**kwargs: Any) -> None:
     """Predict a training run: first batch, IO wait, sync time, utilization, bytes and egress cost per region pair."""
@@ -124,7 +131,9 @@ def sim_config(kw: dict[str, Any]) -> Any:
         outer_streams=kw["outer_streams"],
         checkpoint_every=t.checkpoint_every,
         prices=prices,
-        constants=load_constants(kw["constants_file"], REHEARSAL if kw["rehearsal"] else WAN),
+        constants=dataclasses.replace(
+            load_constants(kw["constants_file"], REHEARSAL if kw["rehearsal"] else WAN), host_slowdown=kw["host_slowdown"]
+        ),
     )
 
 

@@ -3,12 +3,14 @@ the few calibrated ``Constants`` of the machine the model describes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from geoshard.errors import ConfigError
 
 TIERS = ("local", "s3", "alluxio")
+# The constants that are this host's own work (Python, copies, process start), scaled by host_slowdown.
+HOST_COSTS = ("bucket_s", "trip_s", "step_overhead_s", "startup_s", "request_s", "batch_s", "checkpoint_s", "store_request_s")
 SYNCS = ("flat", "hierarchical", "diloco")
 OUTER_TRANSPORTS = ("store", "p2p")
 
@@ -37,6 +39,20 @@ class Constants:
     store_request_s: float = 0.0  # a store request's own cost beyond its round trip (TCPStore, signing, Python)
     outer_trips_before: int = 3  # store round trips before a round closes (roster, close, members)
     outer_trips_after: int = 3  # and after it (multi_get, latest, state)
+    # How much slower this host's own work runs than where the host costs were fitted per unit: a
+    # machine whose cores are shared (load L on c cores: about L/c); 1 on dedicated nodes.
+    host_slowdown: float = 1.0
+
+    def on_host(self) -> Constants:
+        """The host costs at ``host_slowdown`` (the network's are the network's)."""
+        if self.host_slowdown == 1.0:
+            return self
+        f = self.host_slowdown
+        return replace(
+            self,
+            host_slowdown=1.0,
+            **{name: getattr(self, name) * f for name in HOST_COSTS},
+        )
 
     def tier_rate(self, tier: str) -> float:
         """One worker's fetch rate from ``tier`` in bytes/s."""

@@ -9,6 +9,7 @@ its steps; utilization is compute over wall, as report.json computes it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +106,7 @@ def compute_s(cfg: SimConfig) -> float:
 
 
 def predict(cfg: SimConfig) -> Prediction:
+    cfg = dataclasses.replace(cfg, constants=cfg.constants.on_host())
     k = cfg.constants
     compute = compute_s(cfg)
     exchange = grad.mean_exchange(cfg, idle_s=compute)  # the links idle while the ranks compute
