@@ -87,8 +87,10 @@ def step_exchange(cfg: SimConfig, step: int = 0, idle_s: float = math.inf) -> Gr
         out = _flat(cfg, sizes, 0.5 if fp16 else 1.0, idle_s)
     elif cfg.sync == "hierarchical":
         out = _hierarchical(cfg, sizes, 0.5 if fp16 else 1.0, idle_s)
-    else:
-        out = _in_region(cfg, sizes)  # diloco: DDP inside each region only
+    else:  # diloco: DDP inside each region only, a flat ring over the largest region's ranks
+        largest = max(r.ranks for r in cfg.regions)
+        k = cfg.constants
+        out = GradStep(ring_allreduce_s([float(b) for b in sizes], largest, [None], k, k.gloo_threads), 0.0, ())
     # The comm hook's own time per bucket (its cast, copy and the call into gloo), even alone in a region.
     return dataclasses.replace(out, seconds=out.seconds + len(sizes) * cfg.constants.bucket_s)
 
