@@ -53,8 +53,8 @@ def _kv(text: str | None, option: str) -> dict[str, str]:
     "--host-slowdown",
     default=1.0,
     show_default=True,
-    type=click.FloatRange(min=1.0, max=1000.0),
-    help="This host's work runs this many times slower than on a dedicated core (a shared machine: load / cores).",
+    type=click.FloatRange(min=0.01, max=1000.0),
+    help="How many times slower this host runs its own work than a dedicated core (a shared machine: load / cores).",
 )
 @click.option("--json", "as_json", is_flag=True, help="report.json's field names, for a field-by-field comparison with a run.")
 def simulate(**kwargs: Any) -> None:
