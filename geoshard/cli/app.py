@@ -336,6 +336,7 @@ LAZY_COMMANDS = {
     "refresh": "geoshard.cli.sync:refresh",
     "probe": "geoshard.cli.sync:probe",
     "train": "geoshard.cli.train:train",
+    "simulate": "geoshard.cli.simulate:simulate",
     "report": "geoshard.cli.report:report",
     "wan": "geoshard.cli.wan:wan",
     "s3": "geoshard.cli.s3:s3",

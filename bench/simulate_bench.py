@@ -1,0 +1,504 @@
+"""``geoshard simulate`` against real runs under the WAN rehearsal (issue 21, part 3). Needs root.
+
+The setup of bench/wan_bench.py ``train``: the multi-region split (24,000 samples of 1,000 bytes,
+weights 2:1:1), one SeaweedFS on the host with a bucket per region, each bucket served at its
+region's address (``Rehearsal.expose``), every packet between regions behind ``--matrix``
+(bench/wan-matrix.toml: 38 / 110 / 85 ms one way, 200 / 100 / 100 Mbit/s). Each configuration is
+trained with ``launch_regions`` inside the namespaces (what ``geoshard train --regions --wan``
+does) and predicted with ``geoshard simulate --json --rehearsal`` from the same options.
+
+Two sets, never mixed: ``CALIBRATION`` fits the model's few constants (the built-in model's CPU
+rate and per-step overhead, the loader's start-up, the per-message overhead of gloo's ring steps
+and of the store's requests); ``VALIDATION`` (20 configurations: flat / hierarchical / DiLoCo,
+H, overlap, accumulation, fp16, local vs remote data, 1-3 ranks per region) is predicted with
+those constants and the forwarder ceiling this rehearsal measured at its start, and compared per
+metric: median absolute relative error and the worst configuration.
+
+    sudo .venv/bin/python bench/simulate_bench.py                    # ~30-40 minutes on 2 busy cores
+    sudo .venv/bin/python bench/simulate_bench.py --only V1,V13      # some validation runs (calibration first)
+    sudo .venv/bin/python bench/simulate_bench.py --small            # smoke run: 2+2 runs, 8 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the SeaweedFS launcher the test suite uses
+sys.path.insert(0, str(ROOT / "bench"))
+GEOSHARD = str(Path(sys.executable).with_name("geoshard"))
+
+ONE = "us-east-1:1,eu-west-1:1,ap-southeast-1:1"
+TWO = "us-east-1:2,eu-west-1:1,ap-southeast-1:1"
+THREE = "us-east-1:3,eu-west-1:1,ap-southeast-1:1"
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    sync: str
+    ranks: str = ONE
+    hidden: int = 512
+    accum: int = 1
+    fp16: bool = False
+    remote: bool = False
+    outer_steps: int = 10
+    overlap: int = 0
+    outer_compression: str = "fp16"
+
+
+CALIBRATION = (
+    Spec("C1", "flat", hidden=256),
+    Spec("C2", "hierarchical", ranks=TWO, hidden=1024),
+    Spec("C3", "flat", hidden=1024, accum=2, fp16=True),
+    Spec("C4", "diloco", hidden=768, outer_steps=8),
+    Spec("C5", "hierarchical", remote=True, hidden=256),
+)
+
+VALIDATION = (
+    Spec("V1", "flat", hidden=768),
+    Spec("V2", "flat", accum=2),
+    Spec("V3", "flat", accum=4),
+    Spec("V4", "flat", fp16=True),
+    Spec("V5", "flat", ranks=TWO),
+    Spec("V6", "flat", remote=True),
+    Spec("V7", "flat", hidden=1024),
+    Spec("V8", "hierarchical"),
+    Spec("V9", "hierarchical", ranks=TWO, accum=2),
+    Spec("V10", "hierarchical", ranks=TWO, hidden=768, fp16=True),
+    Spec("V11", "hierarchical", ranks=TWO, remote=True),
+    Spec("V12", "hierarchical", ranks=THREE),
+    Spec("V13", "hierarchical", hidden=1024, accum=4),
+    Spec("V14", "diloco", outer_steps=5),
+    Spec("V15", "diloco", outer_steps=10, overlap=5),
+    Spec("V16", "diloco", hidden=1024, outer_steps=20),
+    Spec("V17", "diloco", hidden=1024, outer_steps=20, overlap=10),
+    Spec("V18", "diloco", ranks=TWO, outer_steps=10),
+    Spec("V19", "diloco", outer_steps=10, outer_compression="none"),
+    Spec("V20", "diloco", outer_steps=10, remote=True),
+)
+
+# report.json's figures compared; shares and seconds are relative errors of the figure itself.
+METRICS = (
+    "utilization",
+    "step_s",
+    "grad_sync_s_per_step",
+    "cross_region_grad_bytes_per_step",
+    "time_to_first_batch_s",
+    "io_wait_share_after_first_batch",
+    "outer_sync_s_mean",
+    "wan_bytes",
+)
+
+
+def figures(rep: dict[str, Any]) -> dict[str, float | None]:
+    """The compared figures of a report.json (a run's or a prediction's)."""
+    outer = rep.get("outer") or {}
+    step = rep.get("step_s")
+    if step is None:  # a run: the loop's wall per rank and step, after the first batch
+        step = (rep["breakdown"]["wall"]["seconds"] / rep["world_size"] - (rep["time_to_first_batch_s"] or 0)) / rep["steps"]
+    return {
+        "utilization": rep["utilization"]["share"],
+        "step_s": step,
+        "grad_sync_s_per_step": rep["grad_sync_s_per_step"],
+        "cross_region_grad_bytes_per_step": rep["cross_region_grad_bytes_per_step"],
+        "time_to_first_batch_s": rep["time_to_first_batch_s"],
+        "io_wait_share_after_first_batch": rep["io_wait_share_after_first_batch"],
+        "outer_sync_s_mean": outer.get("sync_s_mean"),
+    }
+
+
+def train_argv(spec: Spec, plan: Path, args: argparse.Namespace) -> list[str]:
+    """The options shared by the run and its prediction (geoshard train's)."""
+    argv = ["--plan", str(plan), "--regions", spec.ranks, "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+    argv += ["--hidden", str(spec.hidden), "--accum-steps", str(spec.accum), "--num-workers", "1", "--sync", spec.sync]
+    argv += ["--step-time", str(args.step_time), "--checkpoint-every", str(args.steps), "--backend", "gloo"]
+    if spec.fp16:
+        argv += ["--grad-compression", "fp16"]
+    if spec.sync == "diloco":
+        argv += ["--outer-steps", str(spec.outer_steps), "--outer-overlap", str(spec.overlap)]
+        argv += ["--outer-compression", spec.outer_compression, "--outer-timeout", "300"]
+    return argv
+
+
+def bucket_plan(path: Path, endpoints: dict[str, str]) -> Path:
+    """multiregion_bench's plan with the shard size its split was made with (sync refuses another)."""
+    from multiregion_bench import bucket_plan as regions_plan
+
+    regions_plan(path, endpoints)
+    path.write_text('[shards]\nbytes = "8MB"\n' + path.read_text())
+    return path
+
+
+def sync(split: Path, server: Any, env: dict[str, str], work: Path) -> None:
+    from multiregion_bench import WEIGHTS
+
+    plan = bucket_plan(work / "sync-plan.toml", dict.fromkeys(WEIGHTS, server.endpoint))
+    argv = [GEOSHARD, "sync", str(split), "--plan", str(plan), "--create-buckets"]
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, check=False, timeout=600)
+    if r.returncode:
+        raise RuntimeError(f"sync failed: {r.stderr[-2000:]}")
+
+
+def run_one(spec: Spec, wan: Any, net: Any, endpoints: dict[str, str], env: dict[str, str], work: Path, args: argparse.Namespace) -> dict:
+    from multiregion_bench import READS_FROM, WEIGHTS
+
+    from geoshard.trainer.config import TrainConfig, parse_regions
+    from geoshard.trainer.launch import launch_regions
+    from geoshard.trainer.report import build_report
+
+    reads = {r: READS_FROM[r] if spec.remote else r for r in WEIGHTS}
+    plan = bucket_plan(
+        args.json_out.with_suffix(f".plan-{'remote' if spec.remote else 'local'}.toml"), {r: endpoints[reads[r]] for r in WEIGHTS}
+    )
+    out = work / f"run-{spec.name}"
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = TrainConfig(
+        plan=plan,
+        out=out,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        accum_steps=spec.accum,
+        hidden=spec.hidden,
+        num_workers=1,
+        grad_compression="fp16" if spec.fp16 else "none",
+        sync=spec.sync,
+        outer_steps=spec.outer_steps,
+        outer_overlap=spec.overlap,
+        outer_compression=spec.outer_compression,
+        outer_timeout=300.0,
+        step_time=args.step_time,
+        backend="gloo",
+        checkpoint_every=args.steps,
+        allow_cross_region=False,
+    )
+    before = wan.counters()
+    t0 = time.monotonic()
+    code = launch_regions(cfg, parse_regions(spec.ranks), env=env, net=net)
+    seconds = time.monotonic() - t0
+    if code != 0:
+        raise RuntimeError(f"run {spec.name} failed ({code}); logs in {out}/logs")
+    crossed = {f"{a}>{b}": v[0] - before[(a, b)][0] for (a, b), v in wan.counters().items()}
+    rep = build_report(out, cfg.budget)
+    measured = {**figures(rep), "wan_bytes": sum(crossed.values())}
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    load = round(os.getloadavg()[0], 1)  # the 1-minute load as the run ends: the host slowdown it ran at
+    return {"spec": spec.__dict__, "seconds": round(seconds, 1), "measured": measured, "pairs": crossed, "plan": str(plan), "load": load}
+
+
+def predict_one(row: dict[str, Any], constants: Path, args: argparse.Namespace) -> dict[str, float | None]:
+    """``geoshard simulate --json`` for the run's options, with the fitted constants."""
+    from multiregion_bench import READS_FROM
+
+    spec = Spec(**row["spec"])
+    argv = [GEOSHARD, "simulate", *train_argv(spec, Path(row["plan"]), args), "--wan", str(args.matrix), "--rehearsal"]
+    argv += ["--constants", str(constants), "--samples", str(args.samples), "--sample-bytes", str(args.sample_bytes)]
+    argv += ["--shard-bytes", str(args.shard_bytes), "--host-slowdown", str(slowdown(row)), "--json"]
+    if spec.remote:
+        argv += ["--data-from", ",".join(f"{a}={b}" for a, b in READS_FROM.items())]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    if r.returncode:
+        raise RuntimeError(f"simulate failed for {spec.name}: {r.stderr.strip()}")
+    rep = json.loads(r.stdout)
+    return {**figures(rep), "wan_bytes": sum(e["bytes"] for e in rep["egress"])}
+
+
+def slowdown(row: dict[str, Any]) -> float:
+    """The host's slowdown during a run: its 1-minute load over this machine's 2 cores, at least 1."""
+    return max(1.0, row["load"] / 2)
+
+
+def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
+    """The constants from the calibration runs alone, each from the figure it alone decides, per
+    unit of host slowdown (each row's residual over its load / cores)."""
+    from geoshard.sim import grad, predict
+    from geoshard.sim.config import Constants
+    from geoshard.sim.outer import store_round
+    from geoshard.sim.predict import compute_s
+
+    k: Constants = base
+
+    def at(row: dict[str, Any], kk: Constants) -> Any:  # the row's config, host costs at its load
+        cfg = sim_config_of(row, kk, args)
+        return replace(cfg, constants=replace(kk, host_slowdown=slowdown(row)).on_host())
+
+    # Compute per step (the report's compute without exchange) = overhead + flops / rate: least squares.
+    xs, ys = [], []
+    for row in rows:
+        s, m = Spec(**row["spec"]), row["measured"]
+        params = s.hidden**2 + 268 * s.hidden + 10
+        per_step = m["utilization"] * (m["step_s"] * args.steps + (m["time_to_first_batch_s"] or 0)) / args.steps
+        xs.append(6 * params * args.batch_size * s.accum / slowdown(row))
+        ys.append((per_step - args.step_time) / slowdown(row))
+    slope, intercept = _line(xs, ys)
+    if slope > 1e-12:  # a rate below 1,000 GFLOPS: the model's size shows in its compute
+        k = replace(k, cpu_gflops=round(1 / slope / 1e9, 3), step_overhead_s=round(max(intercept, 0.0), 5))
+    else:  # it does not (a loaded machine: the compute is waiting for a core): the median overhead alone
+        k = replace(k, cpu_gflops=1e6, step_overhead_s=round(max(0.0, statistics.median(ys)), 5))
+    # The loader's start-up: what the first batch takes beyond the manifest and the first shard.
+    rest = []
+    for row in rows:
+        p = predict(at(row, replace(k, startup_s=0.0)))
+        rest.append((row["measured"]["time_to_first_batch_s"] - p.time_to_first_batch_s) / slowdown(row))
+    k = replace(k, startup_s=round(max(0.0, statistics.median(rest)), 4))
+    # The hand-off of a batch from a worker when the workers keep up: the IO wait after the first batch.
+    m = [r["measured"] for r in rows]
+    waits = [x["io_wait_share_after_first_batch"] * x["step_s"] / r["spec"]["accum"] / slowdown(r) for x, r in zip(m, rows, strict=True)]
+    k = replace(k, batch_s=round(statistics.median(waits), 5))
+    # The comm hook's own time per bucket: DiLoCo's sync with one rank per region has no network.
+    alone = []
+    for row in rows:
+        cfg = at(row, k)
+        if cfg.sync == "diloco" and all(r.ranks == 1 for r in cfg.regions) and cfg.params:
+            n = len(grad.buckets(tuple(4 * t for t in cfg.tensor_params)))
+            alone.append(row["measured"]["grad_sync_s_per_step"] / n / slowdown(row))
+    k = replace(k, bucket_s=round(statistics.median(alone), 5) if alone else k.bucket_s)
+    # gloo's per-message overhead: the sync's residual over its message count (2(n-1) per bucket).
+    trips = []
+    for row in rows:
+        cfg = at(row, replace(k, trip_s=0.0))
+        if cfg.sync == "diloco" or row["measured"]["grad_sync_s_per_step"] <= 0:
+            continue
+        n = cfg.world_size if cfg.sync == "flat" else len(cfg.regions)
+        buckets = len(grad.buckets(tuple(4 * t for t in cfg.tensor_params)))
+        count = 2 * (n - 1) * (-(-buckets // k.gloo_threads) if cfg.sync == "flat" else buckets)
+        exchange = grad.mean_exchange(cfg, idle_s=compute_s(cfg)).seconds
+        trips.append((row["measured"]["grad_sync_s_per_step"] - exchange) / count / slowdown(row))
+    k = replace(k, trip_s=round(max(0.0, statistics.median(trips)), 5) if trips else k.trip_s)
+    # The store's per-request cost: a round's residual over its requests.
+    store = []
+    for row in rows:
+        cfg = at(row, replace(k, store_request_s=0.0))
+        if cfg.sync != "diloco" or not row["measured"]["outer_sync_s_mean"]:
+            continue
+        requests = k.outer_trips_before + k.outer_trips_after
+        store.append((row["measured"]["outer_sync_s_mean"] - store_round(cfg).seconds) / requests / slowdown(row))
+    return replace(k, store_request_s=round(max(0.0, statistics.median(store)), 4) if store else k.store_request_s)
+
+
+def sim_config_of(row: dict[str, Any], k: Any, args: argparse.Namespace) -> Any:
+    """The SimConfig ``geoshard simulate`` builds for a row, in process (for the fit)."""
+
+    from geoshard.cli.simulate import sim_config
+
+    spec = Spec(**row["spec"])
+    kw = _cli_kwargs(spec, Path(row["plan"]), args)
+    cfg = sim_config(kw)
+    return replace(cfg, constants=k)
+
+
+def _cli_kwargs(spec: Spec, plan: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from multiregion_bench import READS_FROM
+
+    from geoshard.cli.simulate import simulate
+
+    argv = [*train_argv(spec, plan, args), "--wan", str(args.matrix), "--rehearsal", "--samples", str(args.samples)]
+    argv += ["--sample-bytes", str(args.sample_bytes), "--shard-bytes", str(args.shard_bytes)]
+    if spec.remote:
+        argv += ["--data-from", ",".join(f"{a}={b}" for a, b in READS_FROM.items())]
+    ctx = simulate.make_context("simulate", argv)
+    return dict(ctx.params)
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    return slope, my - slope * mx
+
+
+def errors(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per metric: the median absolute relative error over the runs that have it, and the worst."""
+    table: dict[str, dict[str, Any]] = {}
+    for metric in METRICS:
+        errs = []
+        for row in rows:
+            m, p = row["measured"].get(metric), row["predicted"].get(metric)
+            if m is None or p is None or m == 0:
+                continue
+            errs.append((abs(p - m) / abs(m), row["spec"]["name"], m, p))
+        if errs:
+            worst = max(errs)
+            table[metric] = {
+                "runs": len(errs),
+                "median": round(statistics.median(e[0] for e in errs), 4),
+                "worst": {"run": worst[1], "error": round(worst[0], 4), "measured": worst[2], "predicted": worst[3]},
+            }
+    return table
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = ["| metric | runs | median abs. error | worst run | its error (measured -> predicted) |", "|---|---|---|---|---|"]
+    for metric, e in res["errors"].items():
+        w = e["worst"]
+        its = f"{w['error']:.1%} ({w['measured']:.4g} -> {w['predicted']:.4g})"
+        lines.append(f"| {metric} | {e['runs']} | {e['median']:.1%} | {w['run']} | {its} |")
+    return "\n".join(lines)
+
+
+def scale(args: argparse.Namespace) -> int:
+    """The simulator's own time at three sizes: ``geoshard simulate --json`` end to end (a fresh
+    process) and ``predict`` alone, for flat, hierarchical and DiLoCo."""
+    from geoshard.sim import predict
+    from geoshard.sim.config import SimConfig
+
+    sizes = ((3, 4, 10**6), (16, 128, 10**8), (64, 1000, 10**9))  # regions, ranks, samples
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for regions, ranks, samples in sizes:
+            names = [f"r{i:02d}-sim-1" for i in range(regions)]
+            plan, matrix = Path(tmp) / f"plan-{regions}.toml", Path(tmp) / f"wan-{regions}.toml"
+            plan.write_text("".join(f'[regions.{n}]\nweight = 1\nbucket = "s3://b-{n}/t"\n' for n in names))
+            links = [(a, b, 20 + (i * 7 + j * 3) % 150) for i, a in enumerate(names) for j, b in enumerate(names) if i < j]
+            matrix.write_text("".join(f'[[link]]\na = "{a}"\nb = "{b}"\nlatency_ms = {ms}\nbandwidth_mbit = 10000\n' for a, b, ms in links))
+            per = [ranks // regions + (1 if i < ranks % regions else 0) for i in range(regions)]
+            spec = ",".join(f"{n}:{k}" for n, k in zip(names, per, strict=True))
+            for sync in ("flat", "hierarchical", "diloco"):
+                argv = [GEOSHARD, "simulate", "--plan", str(plan), "--regions", spec, "--wan", str(matrix), "--steps", "1000000"]
+                argv += ["--sync", sync, "--outer-steps", "500", "--params", str(10**10), "--samples", str(samples), "--json"]
+                t0 = time.perf_counter()
+                r = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
+                cli_s = time.perf_counter() - t0
+                if r.returncode:
+                    raise RuntimeError(r.stderr)
+                from geoshard.cli.simulate import sim_config, simulate
+
+                cfg: SimConfig = sim_config(dict(simulate.make_context("simulate", argv[2:]).params))
+                t0 = time.perf_counter()
+                predict(cfg)
+                rows.append(
+                    {"regions": regions, "ranks": ranks, "samples": samples, "sync": sync, "cli_s": round(cli_s, 3),
+                     "predict_s": round(time.perf_counter() - t0, 4), "load": round(os.getloadavg()[0], 1)}
+                )  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+    print("| regions | ranks | samples | sync | geoshard simulate (process) | predict() | load |")
+    print("|---|---|---|---|---|---|---|")
+    for x in rows:
+        cells = [str(x["regions"]), f"{x['ranks']:,}", f"{x['samples']:.0e}", x["sync"], f"{x['cli_s']:.2f} s"]
+        print("| " + " | ".join([*cells, f"{x['predict_s'] * 1000:.1f} ms", str(x["load"])]) + " |")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--matrix", type=Path, default=ROOT / "bench" / "wan-matrix.toml")
+    ap.add_argument("--data", type=Path, default=ROOT / "bench" / "_data" / "multiregion")
+    ap.add_argument("--samples", type=int, default=24_000)
+    ap.add_argument("--sample-bytes", type=int, default=1000)
+    ap.add_argument("--shard-samples", type=int, default=1000)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--step-time", type=float, default=0.1)
+    ap.add_argument("--only", help="validation runs to do, e.g. V1,V14 (the calibration set always runs)")
+    ap.add_argument("--small", action="store_true", help="smoke run: two calibration and two validation runs of 8 steps")
+    ap.add_argument("--json-out", type=Path, default=ROOT / "bench" / "_data" / "simulate_bench.json")
+    ap.add_argument("--scale", action="store_true", help="no runs: the simulator's own time at three sizes")
+    ap.add_argument("--resume", action="store_true", help="keep --json-out's runs and do only the others")
+    ap.add_argument("--refit", action="store_true", help="no runs: fit and predict again from --json-out's measurements")
+    args = ap.parse_args()
+    if args.refit:
+        return refit(args)
+    if args.scale:
+        return scale(args)
+    # Sync kinds in turn, so a run stopped early still has some of each.
+    kinds = [[s for s in VALIDATION if s.sync == k] for k in ("flat", "hierarchical", "diloco")]
+    order = [s for group in itertools.zip_longest(*kinds) for s in group if s is not None]
+    validation = [s for s in order if not args.only or s.name in args.only.split(",")]
+    calibration = list(CALIBRATION)
+    if args.small:
+        args.steps, calibration, validation = 8, calibration[:2], [VALIDATION[0], VALIDATION[13]]
+
+    from multiregion_bench import WEIGHTS, make_split
+    from servers import SeaweedS3
+
+    from geoshard.sim.calibrated import REHEARSAL, dump_constants
+    from geoshard.trainer.launch import RegionNet
+    from geoshard.wan import Rehearsal, load_matrix, netns
+
+    t_start = time.monotonic()
+    matrix = load_matrix(args.matrix)
+    args.data.mkdir(parents=True, exist_ok=True)
+    split = make_split(args.data, args.samples, args.sample_bytes, args.shard_samples)
+    shards = [p.stat().st_size for p in split.rglob("*.tar")]
+    args.shard_bytes = round(statistics.fmean(shards))
+    work = Path(tempfile.mkdtemp(prefix="simulate-runs-", dir=args.data))
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    res: dict[str, Any] = {"config": config, "calibration": [], "validation": []}
+    if args.resume and args.json_out.exists():
+        res = json.loads(args.json_out.read_text())
+        res["config"]["resumed"] = res["config"].get("resumed", 0) + 1
+    try:
+        with SeaweedS3(work / "weed") as server:
+            env = server.env(endpoint=False)
+            sync(split, server, {**os.environ, **env}, work)
+            with Rehearsal(matrix, regions=tuple(WEIGHTS)) as wan:
+                res["ceiling"] = {"packets_per_s": round(wan.ceiling.packets_per_s), "mb_per_s": round(wan.ceiling.mb_per_s, 1)}
+                print(wan.ceiling, flush=True)
+                endpoints = {r: "http://{}:{}".format(*wan.expose(r, server.port)) for r in WEIGHTS}
+                net = RegionNet(
+                    address=wan.address,
+                    wrap=wan.exec_argv,
+                    env=lambda r: {**wan.env(r), "TORCH_CPP_LOG_LEVEL": "ERROR"},
+                    inside=lambda r: netns.inside(wan.netns(r)),
+                )
+                for kind, specs in (("calibration", calibration), ("validation", validation)):
+                    for spec in specs:
+                        if any(row["spec"]["name"] == spec.name for row in res[kind]):
+                            continue
+                        print(f"{kind} {spec.name}: {spec} ... (load {os.getloadavg()[0]:.1f})", flush=True)
+                        row = run_one(spec, wan, net, endpoints, env, work, args)
+                        row["ceiling_mb_s"] = round(wan.ceiling.mb_per_s, 1)
+                        res[kind].append(row)
+                        print(f"  {row['seconds']} s: {json.dumps(row['measured'])}", flush=True)
+                        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+                        args.json_out.write_text(json.dumps(res, indent=1))  # what ran so far survives a stop
+                    if kind == "calibration":  # shown early; refit() below is what counts
+                        try:
+                            print(dump_constants(fit(res["calibration"], replace(REHEARSAL, ceiling_mb_s=wan.ceiling.mb_per_s), args)))
+                        except Exception as e:  # the runs go on; --refit fits again from the JSON
+                            print(f"fit failed ({e!r}); --refit can redo it from {args.json_out}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    res["ceiling_mb_s"] = res["ceiling"]["mb_per_s"]
+    res["seconds"] = round(time.monotonic() - t_start, 1)
+    args.json_out.write_text(json.dumps(res, indent=1))
+    return refit(args)
+
+
+def refit(args: argparse.Namespace) -> int:
+    """Fit the constants on the calibration runs, predict every run with them, tabulate the errors."""
+    from geoshard.sim.calibrated import REHEARSAL, dump_constants
+
+    res = json.loads(args.json_out.read_text())
+    for k in ("steps", "batch_size", "step_time", "samples", "sample_bytes", "shard_bytes"):
+        setattr(args, k, res["config"][k])
+    args.matrix = Path(res["config"]["matrix"])
+    constants = fit(res["calibration"], replace(REHEARSAL, ceiling_mb_s=res["ceiling"]["mb_per_s"]), args)
+    res["constants"] = dump_constants(constants)
+    path = args.json_out.with_suffix(".constants.toml")
+    path.write_text(res["constants"])
+    for row in res["calibration"] + res["validation"]:
+        row["predicted"] = predict_one(row, path, args)
+    res["errors"] = errors(res["validation"])
+    res["errors_calibration"] = errors(res["calibration"])
+    args.json_out.write_text(json.dumps(res, indent=1))
+    print(res["constants"])
+    print(markdown(res))
+    print(f"JSON: {args.json_out} ({len(res['validation'])} validation runs; constants {path})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

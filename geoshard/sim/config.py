@@ -1,0 +1,145 @@
+"""The simulator's input: one frozen ``SimConfig`` built at the CLI edge (or by a planner), and
+the few calibrated ``Constants`` of the machine the model describes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+from geoshard.errors import ConfigError
+
+TIERS = ("local", "s3", "alluxio")
+# The constants that are this host's own work (Python, copies, process start), scaled by host_slowdown.
+HOST_COSTS = ("bucket_s", "trip_s", "step_overhead_s", "startup_s", "request_s", "batch_s", "checkpoint_s", "store_request_s")
+SYNCS = ("flat", "hierarchical", "diloco")
+OUTER_TRANSPORTS = ("store", "p2p")
+
+
+@dataclass(frozen=True)
+class Constants:
+    """What the model cannot derive from the options: fitted from the rehearsal's own measurements
+    and a calibration set apart from the validation runs (docs/simulate.md, bench/simulate_bench.py)."""
+
+    ceiling_mb_s: float | None = None  # the rehearsal's forwarder ceiling (MB/s); None: a real WAN, no forwarder
+    mss: int = 1448  # TCP payload per segment: 1448 on a 1500-byte path; the rehearsal's TUN MTU 65,000 gives 64,948
+    init_cwnd: int = 10  # segments (Linux's initial window)
+    ring_step_latencies: float = 2.0  # one-way latencies per ring step (gloo: the receiver announces its buffer, then the chunk)
+    gloo_threads: int = 2  # ProcessGroupGloo's worker threads: flat's asynchronous bucket all-reduces run this many at once
+    rto_min_s: float = 0.2  # Linux's minimum retransmission timeout: an idle flow past rtt + this restarts slow start
+    bucket_s: float = 0.0  # the DDP comm hook's own time per bucket, network aside
+    trip_s: float = 0.0  # per message overhead of a collective step or a store request (kernel, gloo, Python)
+    local_mb_s: float = 2000.0  # a hop inside one region (loopback / the region's network)
+    cpu_gflops: float = 10.0  # the built-in model's forward+backward rate per rank (6 x params x samples flops)
+    step_overhead_s: float = 0.002  # per optimizer step outside compute: the loop's own bookkeeping
+    startup_s: float = 1.0  # loader start to the first fetch: worker processes, imports
+    request_s: float = 0.005  # one storage request's service time (GET, manifest read)
+    tier_mb_s: tuple[tuple[str, float], ...] = (("local", 500.0), ("s3", 100.0), ("alluxio", 200.0))  # one worker's fetch rate
+    batch_s: float = 0.0005  # a batch's hand-off from a worker to the training process
+    checkpoint_s: float = 0.05  # fixed cost of one checkpoint, besides its bytes at local_mb_s
+    store_request_s: float = 0.0  # a store request's own cost beyond its round trip (TCPStore, signing, Python)
+    outer_trips_before: int = 3  # store round trips before a round closes (roster, close, members)
+    outer_trips_after: int = 3  # and after it (multi_get, latest, state)
+    # How much slower this host's own work runs than where the host costs were fitted per unit: a
+    # machine whose cores are shared (load L on c cores: about L/c); 1 on dedicated nodes.
+    host_slowdown: float = 1.0
+
+    def on_host(self) -> Constants:
+        """The host costs at ``host_slowdown`` (the network's are the network's)."""
+        if self.host_slowdown == 1.0:
+            return self
+        f = self.host_slowdown
+        return replace(
+            self,
+            host_slowdown=1.0,
+            **{name: getattr(self, name) * f for name in HOST_COSTS},
+        )
+
+    def tier_rate(self, tier: str) -> float:
+        """One worker's fetch rate from ``tier`` in bytes/s."""
+        return dict(self.tier_mb_s)[tier] * 1e6
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    name: str
+    ranks: int
+    tier: str = "local"  # where its ranks read: local replica, its bucket (s3), Alluxio
+    data_region: str | None = None  # the region whose bucket it reads (None: its own); another means egress
+    samples: int = 0  # the region's corpus (0: unknown, an epoch never ends)
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    a: str
+    b: str
+    latency_ms: float  # one way
+    bandwidth_mbit: float | None = None  # per direction; None: no cap
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    regions: tuple[RegionSpec, ...]
+    links: tuple[LinkSpec, ...] = ()
+    steps: int = 100
+    batch_size: int = 32
+    accum_steps: int = 1
+    num_workers: int = 2
+    prefetch: int = 2
+    sample_bytes: int = 1000
+    shard_bytes: int = 64_000_000
+    manifest_bytes: int = 100_000  # the region manifest read before the first fetch
+    params: int = 0  # the model's parameters (0: no model, no gradient exchange)
+    tensor_params: tuple[int, ...] = ()  # its gradients in DDP's bucketing order (empty: params as one list of 1M tensors)
+    step_time: float = 0.0  # stated compute per step (s)
+    sync: str = "hierarchical"
+    grad_compression: str = "none"
+    fp32_after: int | None = None
+    outer_steps: int = 100
+    outer_overlap: int = 0
+    outer_compression: str = "fp16"
+    outer_transport: str = "store"
+    outer_streams: int = 1
+    checkpoint_every: int = 50
+    prices: tuple[tuple[str, str, float], ...] = ()  # (from, to, USD per GB)
+    constants: Constants = field(default_factory=Constants)
+
+    def __post_init__(self) -> None:
+        if not self.regions:
+            raise ConfigError("simulate: at least one region")
+        names = [r.name for r in self.regions]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"simulate: a region appears twice in {', '.join(names)}")
+        for r in self.regions:
+            if r.ranks < 1 or r.tier not in TIERS:
+                raise ConfigError(f"simulate: region {r.name}: ranks must be >= 1 and tier one of {', '.join(TIERS)}")
+            if r.data_region is not None and r.data_region not in names:
+                raise ConfigError(f"simulate: region {r.name} reads from {r.data_region}, which is not one of the job's regions")
+        for k in ("steps", "batch_size", "accum_steps", "sample_bytes", "shard_bytes", "outer_steps", "outer_streams", "checkpoint_every"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"simulate: {k.replace('_', '-')} must be at least 1, got {getattr(self, k)}")
+        if self.sync not in SYNCS:
+            raise ConfigError(f"simulate: sync must be one of {', '.join(SYNCS)}, got {self.sync!r}")
+        if self.outer_transport not in OUTER_TRANSPORTS:
+            raise ConfigError(f"simulate: outer transport must be one of {', '.join(OUTER_TRANSPORTS)}, got {self.outer_transport!r}")
+        if not 0 <= self.outer_overlap < self.outer_steps:
+            raise ConfigError(f"simulate: outer-overlap must be at least 0 and below outer-steps ({self.outer_steps})")
+        if len(self.regions) > 1:
+            have = {frozenset((x.a, x.b)) for x in self.links}
+            for i, a in enumerate(names):
+                for b in names[i + 1 :]:
+                    if frozenset((a, b)) not in have:
+                        raise ConfigError(f"simulate: the matrix has no link {a} - {b} (every pair of the job's regions needs one)")
+
+    @property
+    def world_size(self) -> int:
+        return sum(r.ranks for r in self.regions)
+
+    def link(self, a: str, b: str) -> LinkSpec | None:
+        """The link between two regions; None inside one region."""
+        if a == b:
+            return None
+        return self._links[frozenset((a, b))]
+
+    @cached_property
+    def _links(self) -> dict[frozenset[str], LinkSpec]:
+        return {frozenset((x.a, x.b)): x for x in self.links}

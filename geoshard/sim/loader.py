@@ -1,0 +1,62 @@
+"""The loader's fetch pipeline per region: time to the first batch, IO wait after it, bytes per tier.
+
+- First batch: ``startup_s`` (the worker processes and their imports), the manifest read
+  (a request, then its bytes), then the first shard: a request and ``shard_bytes`` over the path to
+  the bucket the region reads (links.transfer_s on a fresh flow) or from the local/Alluxio tier.
+- After it, each rank's ``num_workers`` workers fetch whole shards at the tier's rate (or the
+  link's, for another region's bucket) while the rank consumes batch x accum x sample_bytes per
+  step: supply = workers·shard/(fetch), demand = bytes per step / step time. With
+  supply >= demand the wait is the per-batch hand-off (``batch_s``); below it the rank waits
+  for the missing share: step·(demand/supply - 1).
+- Bytes per tier: the shards the rank's samples span, plus what the workers prefetched ahead
+  (workers x prefetch shards), each at most the region's corpus once per epoch read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from geoshard.sim.config import RegionSpec, SimConfig
+from geoshard.sim.links import one_way, transfer_s
+
+
+@dataclass(frozen=True)
+class LoaderPrediction:
+    time_to_first_batch_s: float
+    io_wait_s_per_step: float  # after the first batch
+    tier_bytes: float  # bytes the region's ranks fetch from their tier
+    egress_bytes: float  # of which from another region's bucket
+    fetch_s: float  # one shard's fetch
+
+
+def shard_fetch_s(cfg: SimConfig, region: RegionSpec, nbytes: float) -> float:
+    k = cfg.constants
+    source = region.data_region or region.name
+    if region.tier == "s3" and source != region.name:
+        link = cfg.link(region.name, source)
+        return k.request_s + one_way(link) + transfer_s(nbytes, link, k)  # the request out, the bytes back
+    return k.request_s + nbytes / k.tier_rate(region.tier)
+
+
+def region_loader(cfg: SimConfig, region: RegionSpec, step_s: float) -> LoaderPrediction:
+    """``step_s``: the rank's time per optimizer step without data wait (compute and sync)."""
+    k = cfg.constants
+    manifest = shard_fetch_s(cfg, region, cfg.manifest_bytes)
+    fetch = shard_fetch_s(cfg, region, cfg.shard_bytes)
+    first = k.startup_s + manifest + fetch
+    per_step = cfg.batch_size * cfg.accum_steps * cfg.sample_bytes
+    supply = max(1, cfg.num_workers) * cfg.shard_bytes / fetch  # bytes/s a rank's workers deliver
+    demand = per_step / step_s if step_s > 0 else math.inf
+    handoff = cfg.accum_steps * k.batch_s
+    wait = handoff if supply >= demand else handoff + per_step / supply - step_s
+    consumed = per_step * cfg.steps  # per rank
+    shards = math.ceil(consumed / cfg.shard_bytes) + max(1, cfg.num_workers) * max(1, cfg.prefetch)
+    fetched = float(shards * cfg.shard_bytes)
+    if region.samples > 0:  # at most the rank's share of the corpus per epoch it reads
+        share = region.samples * cfg.sample_bytes / region.ranks
+        epochs = math.ceil(consumed / share) if share > 0 else 1
+        fetched = min(fetched, epochs * share)
+    total = fetched * region.ranks
+    remote = region.tier == "s3" and (region.data_region or region.name) != region.name
+    return LoaderPrediction(first, wait, total, total if remote else 0.0, fetch)

@@ -1,0 +1,82 @@
+"""A DiLoCo outer round: the regions' leaders exchange pseudo-gradients every H inner steps.
+
+``store_round`` is today's transport (trainer/diloco/, docs/diloco.md): a TCPStore beside the
+job's first region. Each leader publishes its pseudo-gradient P (params x 2 bytes in fp16/bf16, 4
+in fp32) to the store (P over its link to the store), waits for the round to close (about
+``outer_trips_before`` round trips: roster, close, members), then reads the other m-1 members'
+in one multi_get ((m-1)·P back over the same link) and the latest state (``outer_trips_after``
+round trips in all). The round closes when the slowest publish has landed, so
+round = max_r(publish_r + trips_before·rtt_r) + max_r(trips_after·rtt_r + read_r).
+Bytes through the star: m·P published + m(m-1)·P read.
+
+``p2p_round`` is the ring transport another engineer is building (``--outer-transport p2p``):
+a ring all-reduce among the m leaders, sharded over ``streams`` connections per pair:
+2(m-1)/m·P/(bandwidth·streams_efficiency) + 2(m-1) trips. Not yet calibrated.
+
+With ``outer_overlap`` K the exchange runs behind K inner steps: the job waits
+max(0, round - K·step) per round (what report.json's ``outer.sync_s_mean`` then holds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from geoshard.sim.config import SimConfig
+from geoshard.sim.links import one_way, rate, round_trip_s, transfer_s
+
+BYTES = {"fp16": 2, "bf16": 2, "none": 4}
+P2P_STREAM_EFFICIENCY = 0.9  # assumed share of the link a sharded ring keeps busy: not calibrated
+
+
+@dataclass(frozen=True)
+class OuterRound:
+    seconds: float  # one round's exchange, start to end (before any overlap)
+    bytes: float  # report.json's outer round bytes: published + read, over the leaders
+    pair_bytes: tuple[tuple[str, str, float], ...]  # (from, to, bytes per round) between regions
+    calibrated: bool = True
+
+
+def pseudo_gradient_bytes(cfg: SimConfig) -> float:
+    return cfg.params * BYTES[cfg.outer_compression]
+
+
+def store_round(cfg: SimConfig) -> OuterRound:
+    k = cfg.constants
+    p = pseudo_gradient_bytes(cfg)
+    m = len(cfg.regions)
+    host = cfg.regions[0].name  # geoshard train hosts the store beside the first region
+    if m < 2 or p <= 0:
+        return OuterRound(0.0, 0.0, ())
+    links = {r.name: cfg.link(r.name, host) for r in cfg.regions}
+    trip = {r: round_trip_s(links[r], k) + k.store_request_s for r in links}
+    before = max(transfer_s(p, links[r], k) + k.outer_trips_before * trip[r] for r in links)
+    after = max(k.outer_trips_after * trip[r] + transfer_s((m - 1) * p, links[r], k) for r in links)
+    pairs = []
+    for r in links:
+        if r != host:
+            pairs += [(r, host, p), (host, r, (m - 1) * p)]
+    return OuterRound(before + after, m * p + m * (m - 1) * p, tuple(pairs))
+
+
+def p2p_round(cfg: SimConfig) -> OuterRound:
+    """The ring transport, from the ring bound; flagged as not calibrated against runs."""
+    k = cfg.constants
+    p = pseudo_gradient_bytes(cfg)
+    m = len(cfg.regions)
+    if m < 2 or p <= 0:
+        return OuterRound(0.0, 0.0, (), calibrated=False)
+    names = [r.name for r in cfg.regions]
+    hops = [cfg.link(names[i], names[(i + 1) % m]) for i in range(m)]
+    carried = 2 * (m - 1) / m * p
+    seconds = max(carried / (rate(h, k) * P2P_STREAM_EFFICIENCY) + 2 * (m - 1) * (one_way(h) + k.trip_s) for h in hops)
+    pairs = tuple((names[i], names[(i + 1) % m], carried) for i in range(m))
+    return OuterRound(seconds, m * carried, pairs, calibrated=False)
+
+
+def exchange_round(cfg: SimConfig) -> OuterRound:
+    return p2p_round(cfg) if cfg.outer_transport == "p2p" else store_round(cfg)
+
+
+def round_wait_s(round_s: float, overlap_steps: int, step_s: float) -> float:
+    """What the job waits per round once the exchange runs behind ``overlap_steps`` inner steps."""
+    return max(0.0, round_s - overlap_steps * step_s)
