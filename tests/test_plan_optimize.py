@@ -1,0 +1,199 @@
+"""``geoshard plan optimize``: a matrix whose answer is known, budgets that cannot be met, the
+command's whole output, bad input, the written plan loading as split and train load it, and one
+proposal run under the WAN rehearsal against its prediction."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from geoshard.errors import ConfigError
+from geoshard.optimize import Budgets, OptimizeInputs, optimize
+from geoshard.plan import load_plan, parse_plan
+from geoshard.sim import LinkSpec, RegionSpec, SimConfig
+from geoshard.sim.calibrated import WAN
+
+GEOSHARD = str(Path(sys.executable).with_name("geoshard"))
+US, EU, SA = "us-east-1", "eu-west-1", "sa-east-1"
+SAMPLES, SAMPLE_BYTES = 2_000_000, 10_000  # 20 GB
+
+
+def write_inputs(tmp: Path, slow_latency: float = 150.0, slow_mbit: float = 10.0) -> tuple[Path, Path, Path]:
+    """A plan of three regions with buckets, a matrix where sa-east-1 sits behind a slow link, and
+    prices that make anything sent to or from it expensive."""
+    wan = tmp / "wan.toml"
+    links = [(US, EU, 38, 200), (US, SA, slow_latency, slow_mbit), (EU, SA, slow_latency + 30, slow_mbit)]
+    wan.write_text("".join(f'[[link]]\na = "{a}"\nb = "{b}"\nlatency_ms = {ms}\nbandwidth_mbit = {mb}\n' for a, b, ms, mb in links))
+    plan = tmp / "plan.toml"
+    plan.write_text("".join(f'[regions.{r}]\nweight = 1\nbucket = "s3://corpus-{r}/train"\n' for r in (US, EU, SA)))
+    prices = tmp / "prices.toml"
+    prices.write_text(f'[egress.prices]\n"{US}>{SA}" = 0.5\n"{EU}>{SA}" = 0.5\n"{SA}" = 0.5\n')
+    return plan, wan, prices
+
+
+def run(*args: object, timeout: int = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([GEOSHARD, "plan", "optimize", *map(str, args)], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def known(tmp: Path, *extra: object) -> subprocess.CompletedProcess[str]:
+    plan, wan, prices = write_inputs(tmp)
+    return run(
+        "--regions", f"{US}:2,{EU}:1,{SA}:1", "--wan", wan, "--plan", plan, "--prices", prices, "--samples", SAMPLES,
+        "--sample-bytes", SAMPLE_BYTES, "--hidden", 512, "--step-time", "100ms", "--out", tmp / "out.toml", *extra,
+    )  # fmt: skip
+
+
+def test_known_answer_the_slow_expensive_region_reads_nothing_across_and_diloco_beats_flat(tmp_path: Path) -> None:
+    # A run of 2,000 steps reads an eighth of an epoch: for eu-west-1, reading us-east-1's bucket
+    # is cheaper than a copy of its share; for sa-east-1, behind 10 Mbit/s, it would break the IO budget.
+    done = known(tmp_path, "--steps", 2000, "--utilization", 0.8, "--json")
+    assert done.returncode == 0, done.stderr
+    rep = json.loads(done.stdout)
+    regions = rep["regions"]
+    assert regions[SA]["placement"] != "remote" and regions[SA]["data_region"] is None
+    assert regions[EU]["placement"] == "remote" and regions[EU]["data_region"] == US
+    assert "reads us-east-1's bucket waits" in regions[SA]["reason"]
+    per_region = rep["predicted"]["regions"]
+    assert per_region[SA]["cross_region_data_bytes"] == 0 and per_region[EU]["cross_region_data_bytes"] > 0
+    assert not any(e["from"] == SA and e["bytes"] > 0 for e in rep["predicted"]["egress"] if e["to"] != US)
+    assert rep["sync"]["train_args"][:2] == ["--sync", "diloco"] and rep["meets_budgets"]
+    rejected = {x["candidate"].split(" ")[0]: x["why"] for x in rep["rejected"]}
+    assert re.match(r"utilization \d+\.\d% < 80\.0% \(short by \d+\.\d points\)", rejected["flat"]), rejected
+    assert rep["weights"] == {US: 2, EU: 1, SA: 1}
+    written = load_plan(tmp_path / "out.toml")
+    assert [(r.name, r.weight) for r in written.regions] == [(US, 2), (EU, 1), (SA, 1)]
+    assert written.region(EU).bucket == f"s3://corpus-{US}/train-{EU}"  # beside us-east-1's prefix, not inside it
+    assert written.region(SA).bucket == f"s3://corpus-{SA}/train"
+
+
+def test_the_answer_follows_the_matrix_on_fast_links_synchronous_training_wins(tmp_path: Path) -> None:
+    plan, wan, prices = write_inputs(tmp_path)
+    fast = re.sub(r"latency_ms = \d+", "latency_ms = 1", wan.read_text())
+    wan.write_text(re.sub(r"bandwidth_mbit = \d+", "bandwidth_mbit = 10000", fast))
+    base = ["--regions", f"{US}:2,{EU}:1,{SA}:1", "--wan", wan, "--plan", plan, "--samples", 200_000, "--step-time", "100ms"]
+    prices.write_text(f'[egress.prices]\n"{US}" = 0.0\n"{EU}" = 0.0\n"{SA}" = 0.0\n')  # a private network: nothing to save
+    done = run(*base, "--prices", prices, "--out", tmp_path / "out.toml", "--json", "--hidden", 64, "--utilization", 0.8)
+    assert done.returncode == 0, done.stderr
+    rep = json.loads(done.stdout)
+    # every candidate costs $0: the one closest to synchronous training wins, and flat's longer ring loses on time alone
+    assert rep["sync"]["train_args"] == ["--sync", "hierarchical"], rep["sync"]
+    assert rep["egress_usd_per_epoch"] == 0 and rep["budgets"]["utilization"]["met"]
+
+
+def inputs(regions: int, ranks: int, **kw: Any) -> OptimizeInputs:
+    names = [f"r{i}" for i in range(regions)]
+    per = [ranks // regions + (1 if i < ranks % regions else 0) for i in range(regions)]
+    links = tuple(LinkSpec(a, b, 20 + (i * 7 + j) % 120, 1000) for i, a in enumerate(names) for j, b in enumerate(names) if i < j)
+    specs = tuple(RegionSpec(n, r, "s3", None, 10**9 * r // ranks) for n, r in zip(names, per, strict=True))
+    base = SimConfig(regions=specs, links=links, steps=10_000, params=10**6, step_time=0.2, constants=WAN)
+    return OptimizeInputs(base=base, corpus_bytes=1e12, source_region="r0", **kw)
+
+
+def test_the_search_grows_with_regions_not_with_their_product() -> None:
+    small, large = optimize(inputs(4, 16)), optimize(inputs(64, 1000))
+    # one prediction per placement kind and sync choice, whatever the regions: no product over them
+    assert small.predictions == large.predictions and large.candidates == small.candidates
+    assert large.seconds < 60, large.seconds  # a generous bound; bench/optimize_bench.py holds the goal
+
+
+def test_budgets_that_cannot_be_met_give_the_closest_and_say_by_how_much(tmp_path: Path) -> None:
+    done = known(tmp_path, "--utilization", 0.999, "--egress-budget", 0.0, "--json")
+    assert done.returncode == 1
+    rep = json.loads(done.stdout)
+    assert not rep["meets_budgets"]
+    b = rep["budgets"]
+    assert not b["utilization"]["met"] and b["utilization"]["short_by"] == pytest.approx(0.999 - b["utilization"]["predicted"], abs=1e-6)
+    assert not b["egress_usd"]["met"] and b["egress_usd"]["short_by"] == pytest.approx(b["egress_usd"]["predicted"], abs=1e-4)
+    assert b["egress_usd"]["predicted"] == pytest.approx(rep["egress_usd_per_epoch"], abs=1e-4)
+    (line,) = done.stderr.splitlines()
+    assert re.fullmatch(
+        r"geoshard: error: no plan meets the budgets; wrote the closest: "
+        r"utilization \d+\.\d% < 99\.9% \(short by \d+\.\d points\); egress \$[\d,.]+ per epoch > \$0\.00 \(over by \$[\d,.]+\)",
+        line,
+    ), line
+    assert "meets no budget set" in (tmp_path / "out.toml").read_text().splitlines()[0]
+    load_plan(tmp_path / "out.toml")
+    lib = optimize(replace(inputs(3, 6), budgets=Budgets(utilization=1.0, egress_usd=0.0)))
+    assert not lib.feasible and lib.chosen.shortfall == pytest.approx(sum(c.relative for c in lib.chosen.checks if not c.met))
+    assert lib.chosen.failing().startswith("utilization") and "egress" in lib.chosen.failing()
+
+
+NUM = r"[\d,]+(?:\.\d+)?"
+
+
+def test_cli_whole_output_and_the_written_plan(tmp_path: Path) -> None:
+    done = known(tmp_path, "--steps", 2000, "--utilization", 0.8)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    rep = json.loads(known(tmp_path, "--steps", 2000, "--utilization", 0.8, "--json", "--force").stdout)
+    lines = done.stdout.splitlines()
+    p = rep["predicted"]
+    want = [
+        rf"geoshard plan optimize: wrote {re.escape(str(tmp_path / 'out.toml'))} \(3 region\(s\), 4 rank\(s\); "
+        rf"{rep['search']['candidates']} candidates, {rep['search']['predictions']} predictions in {NUM} s\)",
+        re.escape(f"sync: {rep['sync']['reason']}"),
+        re.escape(f"weights: {rep['weights_reason']}"),
+        *(re.escape(f"  {r} ({g['ranks']} rank(s)): {g['reason']}") for r, g in rep["regions"].items()),
+        re.escape(
+            f"predicted for 2,000 steps (one epoch): utilization {p['utilization']['share']:.1%}, IO wait "
+            f"{p['io_wait_share_after_first_batch']:.1%}, first batch {p['time_to_first_batch_s']:.2f} s, gradient sync "
+            f"{p['grad_sync_s_per_step'] * 1000:,.1f} ms per step, {p['outer']['round_count']:,} outer rounds, the job waits "
+            f"{p['outer']['sync_s_mean']:.2f} s per round; egress ${rep['egress_usd_per_epoch']:,.2f} per epoch "
+            f"(copies ${rep['copy_usd_per_epoch']:,.2f} of it)"
+        ),
+        "rejected:",
+        *(re.escape(f"  {x['candidate']}: {x['why']}") for x in rep["rejected"]),
+        re.escape("train with: " + " ".join(rep["train"])),
+    ]
+    assert len(lines) == len(want), done.stdout
+    for line, pattern in zip(lines, want, strict=True):
+        assert re.fullmatch(pattern, line), (line, pattern)
+    assert p["outer"]["round_count"] == 2000 // int(rep["sync"]["train_args"][3])
+    text = (tmp_path / "out.toml").read_text()
+    assert text.splitlines()[1] == "# train with: " + " ".join(rep["train"])
+    assert parse_plan(text).region_names == (US, EU, SA)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--regions", "us-east-1:0"], "--regions: 'us-east-1:0' is not REGION:RANKS with RANKS >= 1 (e.g. us-east-1:2,eu-west-1:1)"),
+        (["--regions", f"{US}:1,ap-south-1:1"], "{plan}: unknown region 'ap-south-1'; plan has us-east-1, eu-west-1, sa-east-1"),
+        (["--io-wait-budget", "1.5"], "--io-wait-budget must be a share between 0 and 1, got 1.5"),
+        (["--source-region", "Bad_Region"], "--source-region: must be a region name"),
+        (["--no-corpus"], "plan optimize: give the corpus' size: --corpus-bytes (e.g. 10TB) or --samples"),
+        (["--wan", "/nonexistent.toml"], "/nonexistent.toml: WAN matrix file not found"),
+        (["--missing-link"], "{wan}: no [[link]] between 'eu-west-1' and 'sa-east-1'; add one with a, b and latency_ms"),
+        (["--exists"], "--out: {out} exists; pass --force to replace it"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path: Path, extra: list[str], message: str) -> None:
+    plan, wan, _ = write_inputs(tmp_path)
+    out = tmp_path / "out.toml"
+    args: list[object] = ["--regions", f"{US}:1,{EU}:1,{SA}:1", "--wan", wan, "--plan", plan, "--samples", 1000, "--out", out]
+    if extra == ["--no-corpus"]:
+        args.remove("--samples"), args.remove(1000)
+    elif extra == ["--missing-link"]:
+        wan.write_text(wan.read_text().rsplit("[[link]]", 1)[0])
+    elif extra == ["--exists"]:
+        out.write_text("mine\n")
+    else:
+        args += extra
+    done = run(*args)
+    message = message.replace("{plan}", str(plan)).replace("{wan}", str(wan)).replace("{out}", str(out))
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"geoshard: error: {message}"), line
+    assert out.read_text() == "mine\n" if extra == ["--exists"] else not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.toml")] == []
+
+
+def test_inputs_refuse_a_source_outside_the_job() -> None:
+    with pytest.raises(ConfigError, match="--source-region: us-west-2 is not one of the job's regions"):
+        replace(inputs(2, 2), source_region="us-west-2")
