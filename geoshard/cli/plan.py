@@ -105,8 +105,9 @@ def optimize_inputs(kw: dict[str, Any]) -> Any:
     plan, prices = split_plan(kw["plan_path"]) if kw["plan_path"] else (None, ())
     if kw["prices_file"] is not None:
         prices = load_prices(kw["prices_file"]) + prices  # the file's figures first
-    for r in ranks if plan is not None else ():
-        plan.region(r.region)  # one line naming the plan's regions, before the matrix is read
+    if plan is not None:
+        for r in ranks:
+            plan.region(r.region)  # one line naming the plan's regions, before the matrix is read
     samples, corpus = _corpus(kw)
     world = sum(r.nproc for r in ranks)
     steps = kw["steps"] or max(1, math.ceil(samples / (world * kw["batch_size"] * kw["accum_steps"])))
