@@ -5,6 +5,7 @@ proposal run under the WAN rehearsal against its prediction."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -141,7 +142,7 @@ def test_cli_whole_output_and_the_written_plan(tmp_path: Path) -> None:
         re.escape(f"weights: {rep['weights_reason']}"),
         *(re.escape(f"  {r} ({g['ranks']} rank(s)): {g['reason']}") for r, g in rep["regions"].items()),
         re.escape(
-            f"predicted for 2,000 steps (one epoch): utilization {p['utilization']['share']:.1%}, IO wait "
+            f"predicted for 2,000 steps (--steps): utilization {p['utilization']['share']:.1%}, IO wait "
             f"{p['io_wait_share_after_first_batch']:.1%}, first batch {p['time_to_first_batch_s']:.2f} s, gradient sync "
             f"{p['grad_sync_s_per_step'] * 1000:,.1f} ms per step, {p['outer']['round_count']:,} outer rounds, the job waits "
             f"{p['outer']['sync_s_mean']:.2f} s per round; egress ${rep['egress_usd_per_epoch']:,.2f} per epoch "
@@ -197,3 +198,81 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path: Path, extra:
 def test_inputs_refuse_a_source_outside_the_job() -> None:
     with pytest.raises(ConfigError, match="--source-region: us-west-2 is not one of the job's regions"):
         replace(inputs(2, 2), source_region="us-west-2")
+
+
+Rehearsed = tuple[dict[str, Any], dict[str, Any]]
+REH_STEPS, REH_REGIONS = 150, f"{US}:1,{EU}:1"
+REH_MODEL = ("--batch-size", 16, "--num-workers", 1, "--hidden", 256, "--step-time", "100ms")
+
+
+@pytest.fixture(scope="module")
+def rehearsed(tmp_path_factory: pytest.TempPathFactory) -> Rehearsed:
+    """One proposal (each region on its local replica, on bench/wan-matrix.toml) written, split and
+    trained under the WAN rehearsal: (the proposal's JSON, the run's report.json)."""
+    from splitkit import make_corpus
+    from synckit import cli
+
+    tmp = tmp_path_factory.mktemp("rehearsed")
+    make_corpus(tmp / "corpus", samples=3000, sample_bytes=300, shard_samples=200)
+    given = tmp / "given.toml"
+    given.write_text(
+        '[shards]\nbytes = "40KB"\n' + "".join(f'[regions.{r}]\nweight = 1\nlocal = "{tmp / "split" / r}"\n' for r in (US, EU))
+    )
+    matrix = Path(__file__).resolve().parents[1] / "bench" / "wan-matrix.toml"
+    done = run(
+        "--regions", REH_REGIONS, "--wan", matrix, "--plan", given, "--samples", 3000, "--sample-bytes", 300, "--rehearsal",
+        "--steps", REH_STEPS, *REH_MODEL, "--out", tmp / "plan.toml", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    proposal = json.loads(done.stdout)
+    r = cli("split", tmp / "corpus", "--plan", tmp / "plan.toml", "--out", tmp / "split", "--workers", 1)
+    assert r.exit_code == 0, r.output
+    argv = [GEOSHARD, "train", "--plan", str(tmp / "plan.toml"), "--regions", REH_REGIONS, "--wan", str(matrix), "--out", str(tmp / "run")]
+    argv += [*map(str, ("--steps", REH_STEPS, *REH_MODEL, "--backend", "gloo")), *proposal["sync"]["train_args"]]
+    trained = subprocess.run(argv, capture_output=True, text=True, timeout=500, cwd=tmp, check=False)
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    return proposal, json.loads((tmp / "run" / "report.json").read_text())
+
+
+def _errors(proposal: dict[str, Any], report: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """(predicted, measured) for each field both carry."""
+    p = proposal["predicted"]
+    out = {
+        "utilization": (p["utilization"]["share"], report["utilization"]["share"]),
+        "io_wait_share_after_first_batch": (p["io_wait_share_after_first_batch"], report["io_wait_share_after_first_batch"]),
+        "time_to_first_batch_s": (p["time_to_first_batch_s"], report["time_to_first_batch_s"]),
+        "grad_sync_s_per_step": (p["grad_sync_s_per_step"], report["grad_sync_s_per_step"]),
+        "cross_region_grad_bytes_per_step": (p["cross_region_grad_bytes_per_step"], report["cross_region_grad_bytes_per_step"]),
+    }
+    if p["outer"] is not None:
+        out["outer.sync_s_mean"] = (p["outer"]["sync_s_mean"], report["outer"]["sync_s_mean"])
+    print({k: f"predicted {a:.4g}, measured {b:.4g}" for k, (a, b) in out.items()})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="the WAN rehearsal needs root (CAP_NET_ADMIN)")
+def test_a_proposal_run_under_the_rehearsal_lands_within_20_percent_on_utilization(
+    rehearsed: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    proposal, report = rehearsed
+    assert report["complete"] and report["sync"] == proposal["sync"]["train_args"][1]
+    predicted, measured = _errors(proposal, report)["utilization"]
+    assert abs(measured - predicted) <= 0.2 * predicted, (predicted, measured)
+    if proposal["predicted"]["outer"] is not None:
+        assert report["outer"]["round_count"] == proposal["predicted"]["outer"]["round_count"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="the WAN rehearsal needs root (CAP_NET_ADMIN)")
+@pytest.mark.xfail(
+    reason="the sim's calibration (simulate branch, c2b134d) is not there yet on this machine: it predicts the first batch at "
+    "1.5 s (measured 0.38-0.46 s), no wait per overlapped DiLoCo round (measured 0.67-1.0 s mean at load 26-37) and no "
+    "gradient sync for one rank per region (measured 11-22 ms per step)",
+    strict=False,
+)
+def test_the_other_reported_fields_land_within_20_percent(rehearsed: Rehearsed) -> None:
+    proposal, report = rehearsed
+    for name, (predicted, measured) in _errors(proposal, report).items():
+        floor = 0.01 if "share" in name else 0.05 if name.endswith("_s") or "_s_" in name else 0.0  # shares, seconds
+        assert abs(measured - predicted) <= max(0.2 * abs(predicted), floor), (name, predicted, measured)

@@ -83,7 +83,7 @@ def optimize(ctx: click.Context, **kw: Any) -> None:
     ]
     text = render_plan(inputs, proposal, header, kw["shard_bytes"])
     write_plan(kw["out"], text, kw["force"])
-    rep = proposal_json(proposal, inputs, kw["out"], train)
+    rep = proposal_json(proposal, inputs, kw["out"], train, kw["steps"] is None)
     click.echo(json.dumps(rep, indent=1) if kw["as_json"] else render(rep))
     if not proposal.feasible:
         click.echo(f"geoshard: error: no plan meets the budgets; wrote the closest: {proposal.chosen.failing()}", err=True)
@@ -174,7 +174,7 @@ def _links(matrix: Path | None, names: list[str]) -> tuple[Any, ...]:
     return tuple(LinkSpec(x.a, x.b, x.latency_ms, x.bandwidth_mbit) for x in m.links if x.a in wanted and x.b in wanted)
 
 
-def proposal_json(proposal: Any, inputs: Any, out: Path, train: list[str]) -> dict[str, Any]:
+def proposal_json(proposal: Any, inputs: Any, out: Path, train: list[str], steps_are_epoch: bool) -> dict[str, Any]:
     c = proposal.chosen
     rep = c.prediction.to_report()
     return {
@@ -205,6 +205,7 @@ def proposal_json(proposal: Any, inputs: Any, out: Path, train: list[str]) -> di
         "search": {"candidates": proposal.candidates, "predictions": proposal.predictions, "seconds": round(proposal.seconds, 4)},
         "source_region": inputs.source_region,
         "epochs": inputs.epochs,
+        "steps_are_one_epoch": steps_are_epoch,
     }
 
 
@@ -220,7 +221,7 @@ def render(rep: dict[str, Any]) -> str:
     outer = p["outer"]
     rounds = f", {outer['round_count']:,} outer rounds, the job waits {outer['sync_s_mean']:.2f} s per round" if outer else ""
     lines.append(
-        f"predicted for {p['steps']:,} steps (one epoch): utilization {p['utilization']['share']:.1%}, IO wait "
+        f"predicted for {p['steps']:,} steps ({'one epoch' if rep['steps_are_one_epoch'] else '--steps'}): utilization {p['utilization']['share']:.1%}, IO wait "
         f"{p['io_wait_share_after_first_batch']:.1%}, first batch {p['time_to_first_batch_s']:.2f} s, gradient sync "
         f"{p['grad_sync_s_per_step'] * 1000:,.1f} ms per step{rounds}; egress ${rep['egress_usd_per_epoch']:,.2f} per epoch "
         f"(copies ${rep['copy_usd_per_epoch']:,.2f} of it)"
