@@ -219,9 +219,10 @@ def render(rep: dict[str, Any]) -> str:
     ]
     lines += [f"  {name} ({g['ranks']} rank(s)): {g['reason']}" for name, g in rep["regions"].items()]
     outer = p["outer"]
+    span = "one epoch" if rep["steps_are_one_epoch"] else "--steps"
     rounds = f", {outer['round_count']:,} outer rounds, the job waits {outer['sync_s_mean']:.2f} s per round" if outer else ""
     lines.append(
-        f"predicted for {p['steps']:,} steps ({'one epoch' if rep['steps_are_one_epoch'] else '--steps'}): utilization {p['utilization']['share']:.1%}, IO wait "
+        f"predicted for {p['steps']:,} steps ({span}): utilization {p['utilization']['share']:.1%}, IO wait "
         f"{p['io_wait_share_after_first_batch']:.1%}, first batch {p['time_to_first_batch_s']:.2f} s, gradient sync "
         f"{p['grad_sync_s_per_step'] * 1000:,.1f} ms per step{rounds}; egress ${rep['egress_usd_per_epoch']:,.2f} per epoch "
         f"(copies ${rep['copy_usd_per_epoch']:,.2f} of it)"
