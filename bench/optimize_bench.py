@@ -58,7 +58,8 @@ def main() -> int:
     args = p.parse_args()
     rows = []
     print(f"load {os.getloadavg()[0]:.1f}")
-    print(f"{'regions':>7} {'ranks':>5} | {'1 predict (CPU)':>15} | {'search wall':>11} {'search CPU':>10} | {'predictions':>11} | ratio | chosen")
+    head = f"{'regions':>7} {'ranks':>5} | {'1 predict (CPU)':>15} | {'search wall':>11} {'search CPU':>10} | {'predictions':>11}"
+    print(head + " | ratio | chosen")
     for regions, ranks in SIZES:
         inputs = job(regions, ranks)
         _, one_cpu, _ = timed(lambda inputs=inputs: predict(replace(inputs.base)), args.repeat)  # type: ignore[misc]

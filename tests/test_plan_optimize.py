@@ -276,3 +276,28 @@ def test_the_other_reported_fields_land_within_20_percent(rehearsed: Rehearsed) 
     for name, (predicted, measured) in _errors(proposal, report).items():
         floor = 0.01 if "share" in name else 0.05 if name.endswith("_s") or "_s_" in name else 0.0  # shares, seconds
         assert abs(measured - predicted) <= max(0.2 * abs(predicted), floor), (name, predicted, measured)
+
+
+def _planned(plan_text: str, sample_bytes: int, step_time: float = 0.2) -> OptimizeInputs:
+    plan = parse_plan(plan_text)
+    names = plan.region_names
+    links = tuple(LinkSpec(a, b, 30, 1000) for i, a in enumerate(names) for b in names[i + 1 :])
+    specs = tuple(RegionSpec(n, 1, "s3", None, 100_000) for n in names)
+    base = SimConfig(regions=specs, links=links, steps=500, sample_bytes=sample_bytes, params=10**5, step_time=step_time, constants=WAN)
+    return OptimizeInputs(base=base, corpus_bytes=len(names) * 100_000.0 * sample_bytes, source_region=names[0], plan=plan)
+
+
+def test_a_bucket_too_slow_for_the_budget_gets_a_replica_and_residency_keeps_data_home() -> None:
+    buckets = "".join(f'[regions.{r}]\nweight = 1\nbucket = "s3://c-{r}/t"\n' for r in (US, EU))
+    # 32 samples of 2 MB every 0.2 s is 320 MB/s per rank: more than two workers fetch from a bucket (2 x 100 MB/s)
+    # and less than from a replica (2 x 500 MB/s)
+    heavy = optimize(_planned(buckets, 2_000_000))
+    assert [r.placement.tier for r in heavy.chosen.regions] == ["local", "local"]
+    assert "own bucket waits" in heavy.chosen.regions[0].reason
+    light = optimize(_planned(buckets, 1000))
+    assert [r.placement.tier for r in light.chosen.regions] == ["s3", "s3"]
+    assert light.chosen.regions[1].copy_usd > 0  # eu-west-1's share copied from us-east-1
+    field = '[routing]\npolicy = "field"\nfield = "origin"\n[routing.map]\nus = "us-east-1"\neu = "eu-west-1"\n' + buckets
+    resident = optimize(_planned(field, 1000))
+    assert all(r.placement.tier != "remote" and r.copy_usd == 0 for r in resident.chosen.regions)
+    assert "residency" in resident.chosen.regions[1].reason and "residency" in resident.weights_reason
