@@ -119,7 +119,7 @@ def test_budgets_that_cannot_be_met_give_the_closest_and_say_by_how_much(tmp_pat
         r"utilization \d+\.\d% < 99\.9% \(short by \d+\.\d points\); egress \$[\d,.]+ per epoch > \$0\.00 \(over by \$[\d,.]+\)",
         line,
     ), line
-    assert "meets no budget set" in (tmp_path / "out.toml").read_text().splitlines()[0]
+    assert "the closest, it misses: utilization" in (tmp_path / "out.toml").read_text().splitlines()[0]
     load_plan(tmp_path / "out.toml")
     lib = optimize(replace(inputs(3, 6), budgets=Budgets(utilization=1.0, egress_usd=0.0)))
     assert not lib.feasible and lib.chosen.shortfall == pytest.approx(sum(c.relative for c in lib.chosen.checks if not c.met))
@@ -137,7 +137,7 @@ def test_cli_whole_output_and_the_written_plan(tmp_path: Path) -> None:
     p = rep["predicted"]
     want = [
         rf"geoshard plan optimize: wrote {re.escape(str(tmp_path / 'out.toml'))} \(3 region\(s\), 4 rank\(s\); "
-        rf"{rep['search']['candidates']} candidates, {rep['search']['predictions']} predictions in {NUM} s\)",
+        rf"{rep['search']['candidates']} candidate\(s\), {rep['search']['predictions']} predictions in {NUM} s\)",
         re.escape(f"sync: {rep['sync']['reason']}"),
         re.escape(f"weights: {rep['weights_reason']}"),
         *(re.escape(f"  {r} ({g['ranks']} rank(s)): {g['reason']}") for r, g in rep["regions"].items()),

@@ -78,9 +78,11 @@ def optimize(ctx: click.Context, **kw: Any) -> None:
     train = ["geoshard", "train", "--plan", str(kw["out"]), "--regions", regions, *proposal.chosen.sync.train_args()]
     header = [
         f"geoshard plan optimize: {proposal.chosen.sync.label()}; "
-        + ("meets every budget" if proposal.feasible else f"meets no budget set: {proposal.chosen.failing()}"),
+        + ("meets every budget" if proposal.feasible else f"the closest, it misses: {proposal.chosen.failing()}"),
         "train with: " + " ".join(train),
     ]
+    if inputs.plan is None:
+        header.append("no --plan was given: add each region's bucket (and endpoint) before geoshard split and sync (docs/plan.md)")
     text = render_plan(inputs, proposal, header, kw["shard_bytes"])
     write_plan(kw["out"], text, kw["force"])
     rep = proposal_json(proposal, inputs, kw["out"], train, kw["steps"] is None)
@@ -213,7 +215,7 @@ def render(rep: dict[str, Any]) -> str:
     p, s = rep["predicted"], rep["search"]
     lines = [
         f"geoshard plan optimize: wrote {rep['plan']} ({len(rep['regions'])} region(s), {p['world_size']} rank(s); "
-        f"{s['candidates']} candidates, {s['predictions']} predictions in {s['seconds']:.2f} s)",
+        f"{s['candidates']} candidate(s), {s['predictions']} predictions in {s['seconds']:.2f} s)",
         f"sync: {rep['sync']['reason']}",
         f"weights: {rep['weights_reason']}",
     ]
