@@ -337,6 +337,7 @@ LAZY_COMMANDS = {
     "probe": "geoshard.cli.sync:probe",
     "train": "geoshard.cli.train:train",
     "simulate": "geoshard.cli.simulate:simulate",
+    "plan": "geoshard.cli.plan:plan",
     "report": "geoshard.cli.report:report",
     "wan": "geoshard.cli.wan:wan",
     "s3": "geoshard.cli.s3:s3",
