@@ -39,6 +39,7 @@ from geoshard.trainer.diloco.loop import OuterLoop
 from geoshard.trainer.listen import process_group_store
 from geoshard.trainer.metrics import Metrics
 from geoshard.trainer.model import ModelInput, Net, count_collate, to_tensors
+from geoshard.trainer.rankorder import job_rank_from
 from geoshard.trainer.record import StepRecord, append_step
 from geoshard.trainer.runlog import RunLogs
 from geoshard.trainer.summary import LoaderSummary, RankSummary
@@ -102,6 +103,8 @@ def train(cfg: TrainConfig) -> RankSummary:
         raise ConfigError("--sync diloco needs --outer-store and --outer-regions (geoshard train --regions sets both)")
     # Rank 0 serves the group's store on MASTER_ADDR only (trainer/listen.py), not torchrun's on every address.
     store, rank, world = process_group_store(os.environ, cfg.collective_timeout)
+    if cfg.rank_regions:  # the job's own numbering, not the order the agents met in
+        rank = job_rank_from(cfg.rank_regions, cfg.region, os.environ, world)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=cfg.collective_timeout))
     try:
         ctx = RankContext.discover(cfg.region, backend, job=job)
