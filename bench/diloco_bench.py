@@ -26,6 +26,12 @@ steps, and the eval loss of the final model (DiLoCo: the outer parameters after 
 
     sudo .venv/bin/python bench/diloco_bench.py                 # ~20 minutes on 2 busy cores
     sudo .venv/bin/python bench/diloco_bench.py --small         # smoke run, figures meaningless
+    sudo .venv/bin/python bench/diloco_bench.py --runs diloco --outer-steps 100 --overlap 25 --steps 2000  # steady state
+    ... --extra-train-args '--outer-transport p2p'              # every run with more trainer options
+
+Each run also reports its start-up (until every region took its first step) and the utilization
+of its steady state (after it, without each region's first outer round until applied and its last
+round: ``utilization_steady`` in the report, trainer/steady.py).
 """
 
 from __future__ import annotations
@@ -126,6 +132,7 @@ def one_run(
         checkpoint_every=args.steps,
         allow_cross_region=False,
     )
+    cfg = with_extra_args(cfg, args.extra_train_args)
     before = wan.counters()
     t0 = time.monotonic()
     code = launch_regions(cfg, parse_regions(RANKS), net=net)
@@ -150,6 +157,12 @@ def one_run(
         "samples": rep["samples"],
         "step_s": round(rep["breakdown"]["wall"]["seconds"] / rep["world_size"] / rep["steps"], 4),
         "utilization": rep["utilization"]["share"],
+        # Start-up apart: until every region took its first step; the steady state after it, without
+        # the first and last outer rounds' edges (trainer/steady.py).
+        "startup_s": rep["startup_s"],
+        "utilization_steady": (rep["utilization_steady"] or {}).get("share"),
+        "steady_steps": [(rep["utilization_steady"] or {}).get(k) for k in ("step_from", "step_to")],
+        "breakdown_shares": {k: v["share"] for k, v in rep["breakdown"].items()},
         "grad_sync_s_per_step": rep["grad_sync_s_per_step"],
         "outer_sync_share": rep["breakdown"]["outer_sync"]["share"],
         "outer_rounds": (rep["outer"] or {}).get("round_count"),
@@ -164,6 +177,20 @@ def one_run(
     }
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
     return row
+
+
+def with_extra_args(cfg: Any, extra: str) -> Any:
+    """The run's config with ``--extra-train-args`` applied as ``python -m geoshard.trainer`` would
+    read them (e.g. ``--outer-transport p2p`` once that exists): the last value of an option wins."""
+    import shlex
+
+    from geoshard.trainer.__main__ import main as trainer_cli
+    from geoshard.trainer.options import config_from
+
+    if not extra.strip():
+        return cfg
+    ctx = trainer_cli.make_context("geoshard.trainer", [*cfg.to_argv(), *shlex.split(extra)])
+    return config_from(**ctx.params)
 
 
 def _round_syncs(out: Path) -> dict[str, dict[str, float]]:
@@ -196,6 +223,11 @@ def main() -> int:
     p.add_argument("--eval-samples", type=int, default=1000)
     p.add_argument("--runs", default="flat,hierarchical,diloco")
     p.add_argument("--keep", action="store_true", help="keep the run folders (under --data)")
+    p.add_argument(
+        "--extra-train-args",
+        default="",
+        help="more trainer options for every run, as one string (e.g. '--outer-transport p2p'); applied last",
+    )
     p.add_argument("--small", action="store_true", help="smoke run: 20 steps, H=10, hidden 256")
     p.add_argument("--json-out", type=Path, default=ROOT / "bench" / "_data" / "diloco_bench.json")
     args = p.parse_args()
@@ -233,8 +265,10 @@ def main() -> int:
                 print(f"run {name} ...", flush=True)
                 row = one_run(name, sync, h, k, wan, net, plan, work, args)
                 result["runs"].append(row)
+                steady = row["utilization_steady"]
                 print(
-                    f"  utilization {row['utilization']:.1%}, {row['step_s'] * 1000:.0f} ms/step, "
+                    f"  utilization {row['utilization']:.1%} (steady state {'-' if steady is None else f'{steady:.1%}'}, "
+                    f"start-up {row['startup_s']} s), {row['step_s'] * 1000:.0f} ms/step, "
                     f"{row['forwarder_bytes'] / 1e6:.1f} MB across regions, eval loss {row['eval_loss']:.4f} "
                     f"(train, last 10%: {row['train_loss_last10pct']:.4f})",
                     flush=True,

@@ -19,6 +19,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 COMPRESSIONS = ("none", "fp16")
 SYNCS = ("auto", "flat", "hierarchical", "diloco")
 OUTER_COMPRESSIONS = ("fp16", "bf16", "none")  # of DiLoCo's pseudo-gradients on the long links
+INNER_OPTIMIZERS = ("sgd", "adamw")
 MODELS = ("mlp", "none")  # none: no model, the data path alone (a stated compute time per step)
 NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "NVLS", "NVLSTree", "PAT")
 _REGION_SPEC = re.compile(r"^([^:]+):([0-9]+)$")
@@ -102,6 +103,12 @@ class TrainConfig:
     outer_regions: str | None = None  # the job's regions and ranks, REGION:RANKS,... (the same on every region)
     outer_secret_file: str | None = None  # the job's secret that signs the store's values (its path, never the secret)
     utilization_target: float = 0.95  # compute time / wall time the report holds the job to
+    # A flat job across regions: REGION:RANKS,... that numbers its ranks (trainer/rankorder.py);
+    # None: torchrun's numbering. geoshard train --regions sets it.
+    rank_order: str | None = None
+    inner_optimizer: str = "sgd"  # sgd (momentum 0.9) or adamw (the DiLoCo paper's inner optimizer)
+    weight_decay: float = 0.1  # adamw's
+    warmup_steps: int = 0  # linear learning-rate warm-up over the first steps (0: none)
 
     def __post_init__(self) -> None:
         self._check_basics()
@@ -126,6 +133,14 @@ class TrainConfig:
                     "--outer-store needs --outer-secret-file (or GEOSHARD_OUTER_SECRET_FILE): a file only you can read, "
                     "the same on every region, e.g. head -c 32 /dev/urandom > FILE; chmod 600 FILE"
                 )
+        if self.rank_order is not None:
+            parse_regions(self.rank_order, "--rank-order")
+        if self.inner_optimizer not in INNER_OPTIMIZERS:
+            raise ConfigError(f"--inner-optimizer must be one of {', '.join(INNER_OPTIMIZERS)}, got {self.inner_optimizer!r}")
+        if not 0 <= self.weight_decay < 1:
+            raise ConfigError(f"--weight-decay must be at least 0 and below 1, got {self.weight_decay}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"--warmup-steps must be at least 0, got {self.warmup_steps}")
         if self.outer_regions is not None:
             regions = parse_regions(self.outer_regions, "--outer-regions")
             if self.region is not None and self.region not in [r.region for r in regions]:
@@ -135,6 +150,11 @@ class TrainConfig:
     def job_regions(self) -> tuple[RegionRanks, ...]:
         """The job's regions (``--outer-regions``); empty outside DiLoCo."""
         return parse_regions(self.outer_regions, "--outer-regions") if self.outer_regions else ()
+
+    @property
+    def rank_regions(self) -> tuple[RegionRanks, ...]:
+        """The order that numbers a flat job's ranks (``--rank-order``); empty: torchrun's."""
+        return parse_regions(self.rank_order, "--rank-order") if self.rank_order else ()
 
     def _check_basics(self) -> None:
         for name in ("steps", "batch_size", "accum_steps", "checkpoint_every", "checkpoint_keep", "hidden", "collective_timeout"):

@@ -148,6 +148,9 @@ def launch_regions(
     net = net or RegionNet()
     if cfg.sync == "diloco":
         return _launch_separate_regions(cfg, regions, max_restarts, env or {}, net)
+    # Ranks numbered by the job's region order and their place in their region, not by the order
+    # the agents met in (trainer/rankorder.py): one agent per region here.
+    cfg = dataclasses.replace(cfg, rank_order=",".join(f"{r.region}:{r.nproc}" for r in regions))
     host = net.address(regions[0].region)
     # The rendezvous store lives in this process, which outlives every agent: an agent hosting it
     # would take it down while the others still send their last heartbeats.

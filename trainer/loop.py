@@ -39,6 +39,8 @@ from geoshard.trainer.diloco.loop import OuterLoop
 from geoshard.trainer.listen import process_group_store
 from geoshard.trainer.metrics import Metrics
 from geoshard.trainer.model import ModelInput, Net, count_collate, to_tensors
+from geoshard.trainer.optim import check_resumed, inner_optimizer, set_lr
+from geoshard.trainer.rankorder import job_rank_from
 from geoshard.trainer.record import StepRecord, append_step
 from geoshard.trainer.runlog import RunLogs
 from geoshard.trainer.summary import LoaderSummary, RankSummary
@@ -88,7 +90,7 @@ def forward_backward(ddp: DDP, x: torch.Tensor, y: torch.Tensor, accum_steps: in
     return float(loss.detach())
 
 
-def train(cfg: TrainConfig) -> RankSummary:
+def train(cfg: TrainConfig, started_at: float | None = None) -> RankSummary:
     """One rank's training; NCCL and gloo read ``network_environment(cfg)`` from the process
     environment, which the rank must start with (``python -m geoshard.trainer`` sees to it)."""
     backend = pick_backend(cfg.backend)
@@ -102,11 +104,13 @@ def train(cfg: TrainConfig) -> RankSummary:
         raise ConfigError("--sync diloco needs --outer-store and --outer-regions (geoshard train --regions sets both)")
     # Rank 0 serves the group's store on MASTER_ADDR only (trainer/listen.py), not torchrun's on every address.
     store, rank, world = process_group_store(os.environ, cfg.collective_timeout)
+    if cfg.rank_regions:  # the job's own numbering, not the order the agents met in
+        rank = job_rank_from(cfg.rank_regions, cfg.region, os.environ, world)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=cfg.collective_timeout))
     try:
         ctx = RankContext.discover(cfg.region, backend, job=job)
         plan.region(ctx.region)
-        return _train(cfg, ctx)
+        return _train(cfg, ctx, started_at)
     finally:
         dist.destroy_process_group()
 
@@ -127,6 +131,7 @@ class Run:
     steps_log: TextIO
     keys_log: TextIO | None
     segment: int
+    started_at: float | None  # the process's start on the wall clock
 
 
 def lease_name(out: Path) -> str:
@@ -142,7 +147,7 @@ def loader_key(region: str, region_rank: int) -> str:
     return f"{region}/{region_rank}"
 
 
-def _train(cfg: TrainConfig, ctx: RankContext) -> RankSummary:
+def _train(cfg: TrainConfig, ctx: RankContext, started_at: float | None) -> RankSummary:
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
     cfg.out.mkdir(parents=True, exist_ok=True)
@@ -152,7 +157,7 @@ def _train(cfg: TrainConfig, ctx: RankContext) -> RankSummary:
     sync = resolve_sync(cfg.sync, ctx.topology)  # diloco: plain DDP inside the region (its own world)
     comm = CommState(ctx.topology, cfg.grad_compression, cfg.fp32_after)
     ddp.register_comm_hook(comm, hierarchical_hook if sync == "hierarchical" else timed_allreduce_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=0.9)
+    opt = inner_optimizer(cfg, ddp.parameters())
     loader = _make_loader(cfg, ctx)
     if ctx.group_rank == 0:
         _announce(cfg, ctx, loader.dataset.balance, sync)
@@ -170,7 +175,7 @@ def _train(cfg: TrainConfig, ctx: RankContext) -> RankSummary:
         None if cfg.metrics_port is None else cfg.metrics_port + ctx.rank, rank=ctx.rank, region=ctx.region, host=cfg.metrics_host
     )
     with logs.open_steps() as steps_log, logs.open_keys() if cfg.log_keys else contextlib.nullcontext() as keys_log:
-        run = Run(cfg, ctx, ddp, comm, opt, loader, store, outer, metrics, steps_log, keys_log, segment)
+        run = Run(cfg, ctx, ddp, comm, opt, loader, store, outer, metrics, steps_log, keys_log, segment, started_at)
         summary = _loop(run, step)
     if outer is not None:
         outer.leave()
@@ -208,6 +213,7 @@ def _resume(
         return 0, None
     step, state = latest
     ds = loader.dataset
+    check_resumed(cfg, state, store.where, step)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     loader.load_state_dict(loader_position(state["loaders"], ctx.region, ctx.rank))
@@ -282,6 +288,7 @@ def _loop(run: Run, step: int) -> RankSummary:
     batches = loader.stream()  # epoch after epoch; the next epoch's workers start before this one ends
     clock = time.perf_counter
     t_loop = clock()
+    loop_started_at = time.time()  # the same instant on the wall clock: ranks' steps on one time line
     first_batch: float | None = None
     samples = 0
     start_step = step
@@ -294,6 +301,7 @@ def _loop(run: Run, step: int) -> RankSummary:
             first_batch = got.handed - t_loop
         t2 = clock()
         if cfg.model != "none":
+            set_lr(run.opt, cfg, step)
             run.opt.step()
         if cfg.step_time:
             time.sleep(cfg.step_time)  # stated compute: no model, or a larger one than the built-in MLP
@@ -329,6 +337,8 @@ def _loop(run: Run, step: int) -> RankSummary:
     return RankSummary(
         rank=ctx.rank,
         wall_s=clock() - t_loop,
+        started_at=run.started_at,
+        loop_started_at=loop_started_at,
         time_to_first_batch_s=first_batch if first_batch is not None else 0.0,
         steps=step - start_step,
         samples=samples,
@@ -400,7 +410,13 @@ def _checkpoint(step: int, run: Run) -> float:
     states: list[Any] = [None] * run.ctx.group_size
     dist.all_gather_object(states, (loader_key(ds.region, ds.rank), run.loader.state_dict()))
     if run.ctx.group_rank == 0:
-        state = {"step": step, "model": run.ddp.module.state_dict(), "optimizer": run.opt.state_dict(), "loaders": dict(states)}
+        state = {
+            "step": step,
+            "model": run.ddp.module.state_dict(),
+            "optimizer": run.opt.state_dict(),
+            "inner_optimizer": run.cfg.inner_optimizer,
+            "loaders": dict(states),
+        }
         if run.outer is not None:
             state["outer"] = run.outer.state()
         run.store.save(step, state)

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import click
 
-from geoshard.trainer.config import BACKENDS, COMPRESSIONS, MODELS, NCCL_ALGOS, OUTER_COMPRESSIONS, SYNCS, TrainConfig
+from geoshard.trainer.config import BACKENDS, COMPRESSIONS, INNER_OPTIMIZERS, MODELS, NCCL_ALGOS, OUTER_COMPRESSIONS, SYNCS, TrainConfig
 from geoshard.util.units import parse_duration
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -34,6 +34,15 @@ _OPTIONS = [
     click.option("--lr", default=0.05, show_default=True, type=float),
     click.option("--hidden", default=128, show_default=True, type=int, help="Width of the model's two hidden layers."),
     click.option("--seed", default=0, show_default=True, type=int),
+    click.option(
+        "--inner-optimizer",
+        type=click.Choice(INNER_OPTIMIZERS),
+        default="sgd",
+        show_default=True,
+        help="sgd (momentum 0.9) or adamw (betas 0.9, 0.95; --weight-decay): DiLoCo's paper trains with AdamW at --lr 4e-4.",
+    ),
+    click.option("--weight-decay", default=0.1, show_default=True, type=float, help="With --inner-optimizer adamw."),
+    click.option("--warmup-steps", default=0, show_default=True, type=int, help="Linear learning-rate warm-up over the first steps."),
     click.option("--num-workers", default=2, show_default=True, type=int, help="DataLoader workers per rank."),
     click.option("--prefetch", default=2, show_default=True, type=int, help="Shards fetched ahead per worker."),
     click.option("--shuffle-buffer", default=1000, show_default=True, type=int),
@@ -76,6 +85,11 @@ _OPTIONS = [
         envvar="GEOSHARD_OUTER_SECRET_FILE",
         help="DiLoCo with --outer-store: a file (mode 600, the same on every region) holding the job's secret, "
         "which signs every value in the store.",
+    ),
+    click.option(
+        "--rank-order",
+        help="A flat job across regions: REGION:RANKS,... in the order that numbers its ranks, one torchrun agent per "
+        "region (geoshard train --regions sets it; default: torchrun's numbering, in the order the agents met).",
     ),
     click.option(
         "--utilization-target",

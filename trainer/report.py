@@ -31,6 +31,7 @@ from geoshard.trainer.rundir import (
     segments,
     wall,
 )
+from geoshard.trainer.steady import startup_s, steady_utilization
 from geoshard.trainer.summary import RankSummary
 from geoshard.util.fsutil import write_atomic
 
@@ -147,6 +148,7 @@ def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> 
         # Compute (without any gradient exchange) over wall time, against --utilization-target.
         "utilization": utilization(ranks, (s.utilization_target for s in summaries)),
         "outer": outer_section(run_dir),  # --sync diloco: per round and per region; None otherwise
+        **_startup_and_steady(runs, summaries, run_dir),
         **loader,
         # Bytes per rank the plan allows from other regions' buckets (None: no cap), and the most one rank read.
         "egress_budget_bytes": min(budgets) if budgets else None,
@@ -154,6 +156,15 @@ def summarize(runs: Mapping[int, RankRun], budget: float, run_dir: str = "") -> 
     }
     out["advice"] = advise(out)  # per verdict not met: what to try (None when met)
     return out
+
+
+def _startup_and_steady(runs: Mapping[int, RankRun], summaries: list[RankSummary], run_dir: str) -> dict[str, Any]:
+    """Start-up (until every rank took its first step) and the steady state's utilization (steady.py)."""
+    target = utilization([], (s.utilization_target for s in summaries))["target"]
+    syncs = {s.sync for s in summaries if s.sync is not None}
+    sync = syncs.pop() if len(syncs) == 1 else None
+    rounds = read_rounds(Path(run_dir)) if run_dir and sync == "diloco" else []
+    return {"startup_s": startup_s(runs), "utilization_steady": steady_utilization(runs, rounds, target, sync)}
 
 
 def _regions(runs: Mapping[int, RankRun], ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

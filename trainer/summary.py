@@ -73,6 +73,10 @@ class RankSummary:
     utilization_target: float | None = None
     steps_redone: int | None = None
     generations: dict[str, int] | None = None  # epoch -> the generation its region read
+    # Wall-clock times (seconds since the epoch): the rank's process start, and its loop's t = 0 in
+    # this segment. They put every rank's steps on one time line (report: start-up, steady state).
+    started_at: float | None = None
+    loop_started_at: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"version": SUMMARY_VERSION}
@@ -171,7 +175,7 @@ _INT_FIELDS = (
 )
 _KINDS = {
     **{k: _is_int for k in _INT_FIELDS},
-    **{k: _is_number for k in ("wall_s", "time_to_first_batch_s", "gpu_util", "utilization_target")},
+    **{k: _is_number for k in ("wall_s", "time_to_first_batch_s", "gpu_util", "utilization_target", "started_at", "loop_started_at")},
     **{k: _is_str for k in ("region", "backend", "device", "sync")},
     "generations": _is_generations,
 }

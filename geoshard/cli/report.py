@@ -137,7 +137,24 @@ def _summary_lines(r: Mapping[str, Any]) -> Text:
         lines += f"\ncompute utilization {u['share']:.1%} (compute without gradient exchange / wall), target {u['target']:.0%}: {verdict}"
         if not r.get("grad_sync_measured", True):
             lines += " (gradient sync not measured: counted as compute)"
+        lines += _steady_line(r)
     return Text(lines)
+
+
+def _steady_line(r: Mapping[str, Any]) -> str:
+    """Start-up apart, then the steady state's utilization (report fields startup_s, utilization_steady)."""
+    startup, steady = r.get("startup_s"), r.get("utilization_steady")
+    if startup is None and not steady:
+        return ""
+    line = f"\nstart-up {duration(startup)} (until every rank took its first step)" if startup is not None else "\n"
+    if steady:
+        verdict = "met" if steady["met"] else "not met"
+        line += "; " if startup is not None else ""
+        line += (
+            f"steady state {steady['share']:.1%} over steps {steady['step_from']:,}-{steady['step_to']:,} "
+            f"(without {steady['excludes']}), target {steady['target']:.0%}: {verdict}"
+        )
+    return line
 
 
 def _breakdown_table(r: Mapping[str, Any]) -> Table:
