@@ -299,3 +299,18 @@ def test_geoshard_train_with_int8_pseudo_gradients_sends_about_half_of_fp16s_byt
     buf = io.BytesIO()
     torch.save(fb, buf)  # what the residual adds to each checkpoint: one fp32 copy of the model
     assert buf.getbuffer().nbytes < 4 * numel + 4096
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_encoding_in_chunks_gives_the_same_bytes_as_in_one_pass(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large models are encoded a few thousand blocks at a time (bounded temporaries): the chunk
+    boundaries change nothing, also where the last block is partial."""
+    from geoshard.trainer.diloco import codec as module
+
+    c = codec(name)
+    x = _random(7 * BLOCK + 300, torch.Generator().manual_seed(11))  # 8 blocks, the last partial
+    whole = c.encode(x)
+    back = c.decode(whole, x.numel())
+    monkeypatch.setattr(module, "CHUNK_BLOCKS", 3)  # chunks of 3, 3 and 2 blocks
+    assert c.encode(x) == whole
+    assert torch.equal(c.decode(whole, x.numel()), back)

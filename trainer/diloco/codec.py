@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 BLOCK = 1024  # values per scale: 4 bytes of scale per 1024 values (0.4% over int8's 1 byte a value)
 _SCALE = torch.float32
+CHUNK_BLOCKS = 4096  # blocks encoded or decoded per pass: 4M values, ~50 MB of temporaries
 
 
 class NonFinite(DataError):
@@ -110,17 +111,22 @@ class Blockwise:
 
     def encode(self, flat: torch.Tensor) -> bytes:
         x = _finite_cpu(flat)
-        n, nb = x.numel(), self.blocks(x.numel())
-        xb = torch.nn.functional.pad(x, (0, nb * self.block - n)).view(nb, self.block)
-        absmax = xb.abs().amax(dim=1)
-        # x / absmax lies in [-1, 1] (exact division, no overflow at 3e38 nor underflow at 1e-45).
-        scaled = xb / torch.where(absmax > 0, absmax, 1.0)[:, None] * self.qmax
-        if self.dtype == torch.int8:
-            q = scaled.round().clamp(-self.qmax, self.qmax).to(torch.int8)
-        else:
-            q = scaled.clamp(-self.qmax, self.qmax).to(self.dtype)
-        codes = q.reshape(-1)[:n].view(torch.uint8)
-        return bytes(absmax.numpy().tobytes()) + bytes(codes.numpy().tobytes())
+        n = x.numel()
+        scales = torch.empty(self.blocks(n), dtype=_SCALE)
+        codes = torch.empty(n, dtype=torch.uint8)
+        for lo, hi in self._chunks(n):
+            b = lo // self.block
+            xb = torch.nn.functional.pad(x[lo:hi], (0, -(hi - lo) % self.block)).view(-1, self.block)
+            absmax = xb.abs().amax(dim=1)
+            scales[b : b + absmax.numel()] = absmax
+            # x / absmax lies in [-1, 1] (exact division, no overflow at 3e38 nor underflow at 1e-45).
+            scaled = xb / torch.where(absmax > 0, absmax, 1.0)[:, None] * self.qmax
+            if self.dtype == torch.int8:
+                q = scaled.round_().clamp_(-self.qmax, self.qmax).to(torch.int8)
+            else:
+                q = scaled.clamp_(-self.qmax, self.qmax).to(self.dtype)
+            codes[lo:hi] = q.reshape(-1)[: hi - lo].view(torch.uint8)
+        return bytes(scales.numpy().tobytes()) + bytes(codes.numpy().tobytes())
 
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
         _sized(payload, self.nbytes(numel), numel, self.name)
@@ -133,15 +139,24 @@ class Blockwise:
             raise Refused("non-finite", f"{bad} of its {nb} {self.name} block scales are NaN or infinite")
         if bool((scales < 0).any()):
             raise Refused("malformed", f"{int((scales < 0).sum())} of its {nb} {self.name} block scales are negative")
-        codes = raw[head:].view(self.dtype).to(torch.float32)
-        if self.dtype == torch.int8 and bool((codes < -self.qmax).any()):
-            raise Refused("malformed", f"{int((codes < -self.qmax).sum())} of its int8 codes are -128 (never encoded)")
-        bad = int((~torch.isfinite(codes)).sum())
+        codes = raw[head:].view(self.dtype)
+        if self.dtype == torch.int8 and bool((codes == -128).any()):
+            raise Refused("malformed", f"{int((codes == -128).sum())} of its int8 codes are -128 (never encoded)")
+        out = torch.empty(numel, dtype=torch.float32)
+        for lo, hi in self._chunks(numel):
+            vals = torch.nn.functional.pad(codes[lo:hi].to(torch.float32), (0, -(hi - lo) % self.block)).view(-1, self.block)
+            b = lo // self.block
+            # code / qmax lies in [-1, 1], so the product never overflows a finite scale.
+            out[lo:hi] = (vals / self.qmax * scales[b : b + vals.shape[0], None]).reshape(-1)[: hi - lo]
+        bad = int((~torch.isfinite(out)).sum())  # fp8's NaN codes (int8 has none)
         if bad:
             raise Refused("non-finite", f"{bad} of its {numel} {self.name} values are NaN")
-        vals = torch.nn.functional.pad(codes, (0, nb * self.block - numel)).view(nb, self.block)
-        # code / qmax lies in [-1, 1], so the product never overflows a finite scale.
-        return (vals / self.qmax * scales[:, None]).reshape(-1)[:numel].contiguous()
+        return out
+
+    def _chunks(self, numel: int) -> list[tuple[int, int]]:
+        """Slices of whole blocks, so the temporaries stay bounded (``CHUNK_BLOCKS``) whatever the model's size."""
+        step = CHUNK_BLOCKS * self.block
+        return [(lo, min(numel, lo + step)) for lo in range(0, numel, step)]
 
 
 CODECS: dict[str, Codec] = {
