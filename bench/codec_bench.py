@@ -18,6 +18,7 @@ per codec, the mean over seeds and each figure as a ratio to fp16's.
 
     .venv/bin/python bench/codec_bench.py                   # 12 runs, ~15 minutes on 2 busy cores
     .venv/bin/python bench/codec_bench.py --small           # smoke run, figures meaningless
+    .venv/bin/python bench/codec_bench.py --speed           # encode + decode time at 1M, 16M, 64M values
 """
 
 from __future__ import annotations
@@ -157,6 +158,32 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def speed(sizes: list[int], repeat: int) -> list[dict[str, Any]]:
+    """Encode + decode seconds per codec at each size (best of ``repeat``), error feedback included
+    (what a leader runs per round), and the ratio to fp16's cast measured in the same loop."""
+    import torch
+
+    from geoshard.trainer.diloco.codec import CODECS as FORMS
+    from geoshard.trainer.diloco.codec import ErrorFeedback
+
+    rows = []
+    for n in sizes:
+        x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+        best: dict[str, float] = {}
+        for name, c in FORMS.items():
+            ef = ErrorFeedback(c, n)
+            times = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                c.decode(ef.encode(x), n)
+                times.append(time.perf_counter() - t0)
+            best[name] = min(times)
+        for name, t in best.items():
+            rows.append({"numel": n, "codec": name, "seconds": round(t, 4), "vs_fp16": round(t / best["fp16"], 2)})
+            print(f"{n:>11,} values  {name:5s}  encode+decode with error feedback {t:.3f} s ({t / best['fp16']:.2f}x fp16's)", flush=True)
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, default=ROOT / "bench" / "_data")
@@ -172,7 +199,14 @@ def main() -> int:
     p.add_argument("--keep", action="store_true", help="keep the run folders (under --data)")
     p.add_argument("--small", action="store_true", help="smoke run: 40 steps, H=10, one seed")
     p.add_argument("--json-out", type=Path, default=ROOT / "bench" / "_data" / "codec_bench.json")
+    p.add_argument("--speed", action="store_true", help="only time encode + decode at 1M, 16M and 64M values (no training)")
     args = p.parse_args()
+    if args.speed:
+        rows = speed([1 << 20, 1 << 24, 1 << 26], 3)
+        out = args.json_out.with_name("codec_speed.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"load": os.getloadavg(), "rows": rows}, indent=1))
+        return 0
     if args.small:
         args.steps, args.outer_steps, args.samples, args.eval_samples, args.seeds = 40, 10, 4000, 200, "0"
     if args.steps % args.outer_steps:
