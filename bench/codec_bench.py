@@ -16,7 +16,7 @@ both regions) and the eval loss of the final model (the outer parameters after t
 each region's last checkpoint holds them) on the first ``--eval-samples`` samples of each region;
 per codec, the mean over seeds and each figure as a ratio to fp16's.
 
-    .venv/bin/python bench/codec_bench.py                   # 12 runs, ~15 minutes on 2 busy cores
+    .venv/bin/python bench/codec_bench.py                   # 12 runs, ~57 minutes at load ~30 (2 shared cores)
     .venv/bin/python bench/codec_bench.py --small           # smoke run, figures meaningless
     .venv/bin/python bench/codec_bench.py --speed           # encode + decode time at 1M, 16M, 64M values
 """
