@@ -18,7 +18,7 @@ from geoshard.plan.names import check_region_name
 BACKENDS = ("auto", "gloo", "nccl")
 COMPRESSIONS = ("none", "fp16")
 SYNCS = ("auto", "flat", "hierarchical", "diloco")
-OUTER_COMPRESSIONS = ("fp16", "bf16", "none")  # of DiLoCo's pseudo-gradients on the long links
+OUTER_COMPRESSIONS = ("fp16", "bf16", "none", "int8", "fp8")  # of DiLoCo's pseudo-gradients on the long links (diloco/codec.py)
 INNER_OPTIMIZERS = ("sgd", "adamw")
 MODELS = ("mlp", "none")  # none: no model, the data path alone (a stated compute time per step)
 NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "NVLS", "NVLSTree", "PAT")
@@ -97,6 +97,7 @@ class TrainConfig:
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
     outer_compression: str = "fp16"
+    outer_error_feedback: bool = True  # carry what the compression dropped into the next round
     outer_timeout: float = 120.0  # seconds a region leader waits for the others at a round
     outer_overlap: int = 0  # inner steps a round's exchange runs behind training (0: each round waits)
     outer_store: str | None = None  # HOST:PORT of the store the region leaders meet in (geoshard train hosts it)

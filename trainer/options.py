@@ -64,7 +64,13 @@ _OPTIONS = [
         type=click.Choice(OUTER_COMPRESSIONS),
         default="fp16",
         show_default=True,
-        help="DiLoCo: the pseudo-gradients' type on the long links.",
+        help="DiLoCo: the pseudo-gradients' form on the long links (int8, fp8: per-block scales, about half fp16's bytes).",
+    ),
+    click.option(
+        "--outer-error-feedback/--no-outer-error-feedback",
+        default=True,
+        show_default=True,
+        help="DiLoCo: add what the compression dropped in a round to the next round's pseudo-gradient.",
     ),
     click.option(
         "--outer-overlap",

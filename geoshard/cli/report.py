@@ -269,7 +269,7 @@ def _outer_renderables(r: Mapping[str, Any]) -> list[RenderableType]:
     earlier = len(rows) - MAX_ROUND_ROWS
     table.caption = (f"{earlier} earlier round(s) in report.json; " if earlier > 0 else "") + (
         f"{o['round_count']} round(s), sync {duration(o['sync_s_mean'])} on average, {duration(o['sync_s_max'])} at most, "
-        f"{human_bytes(o['bytes'])} through the outer store"
+        f"{human_bytes(o['bytes'])} through the outer store" + (f" ({o['compression']} pseudo-gradients)" if o.get("compression") else "")
     )
     table.caption_justify = "left"
     regions = Table(title="DiLoCo per region", title_justify="left")

@@ -25,9 +25,10 @@ Nothing read from the store is trusted: every value is signed with the job's sec
 against the model before use (docs/diloco.md, "Authentication and checks").
 
 The modules, bottom up: ``auth`` (the job's secret, HMAC signatures, refusals counted), ``kv``
-(the store, signed values in parts), ``settings`` (``OuterSync``, the pseudo-gradient's
-compression), ``checks`` (every value read against the model's bounds), ``record`` (``RoundRecord``: the round, and the rounds file's
-one writer and reader), ``roster`` (who a round waits for, who it averaged), ``optimizer`` (the
+(the store, signed values in parts), ``codec`` (the pseudo-gradient's bytes: fp16, bf16, fp32, int8,
+fp8, and error feedback), ``settings`` (``OuterSync``, the pseudo-gradient's compression),
+``checks`` (every value read against the model's bounds), ``record`` (``RoundRecord``: the round,
+and the rounds file's one writer and reader), ``roster`` (who a round waits for, who it averaged), ``optimizer`` (the
 outer parameters, their SGD, the published state), ``exchange`` (one round on a leader, and the
 thread that runs it behind training), ``rank`` (``DiLoCo``: one per rank), ``loop`` (DiLoCo in
 the trainer's loop) and ``report`` (the report's rounds).

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from geoshard.trainer.diloco.auth import Refused
-from geoshard.trainer.diloco.settings import COMPRESSIONS, decode
+from geoshard.trainer.diloco.codec import codec
 
 MAX_ROUND = 10**9
 # torch.save's zip framing around the state's two tensors and its few small fields.
@@ -27,7 +27,7 @@ class Bounds:
 
     @property
     def grad_bytes(self) -> int:
-        return self.numel * COMPRESSIONS[self.compression].itemsize
+        return codec(self.compression).nbytes(self.numel)
 
     @property
     def state_bytes(self) -> int:
@@ -45,9 +45,8 @@ def parse_round(payload: bytes) -> int:
 
 def grad(payload: bytes, bounds: Bounds) -> torch.Tensor:
     """A published pseudo-gradient → flat fp32, once its size and values are checked."""
-    if len(payload) != bounds.grad_bytes:
-        raise Refused("malformed", f"{len(payload)} bytes, the model's {bounds.numel} {bounds.compression} values take {bounds.grad_bytes}")
-    return finite(decode(payload, bounds.compression), "pseudo-gradient")
+    # The codec refuses a payload of another size, and scales that are not finite (int8, fp8).
+    return finite(codec(bounds.compression).decode(payload, bounds.numel), "pseudo-gradient")
 
 
 def finite(t: torch.Tensor, what: str) -> torch.Tensor:

@@ -21,11 +21,12 @@ import torch
 
 from geoshard.trainer.diloco import checks
 from geoshard.trainer.diloco.auth import Refused
+from geoshard.trainer.diloco.codec import codec
 from geoshard.trainer.diloco.kv import KV, POLL_S
 from geoshard.trainer.diloco.optimizer import OuterOptimizer
 from geoshard.trainer.diloco.record import RoundRecord
 from geoshard.trainer.diloco.roster import Roster
-from geoshard.trainer.diloco.settings import OuterSync, decode
+from geoshard.trainer.diloco.settings import OuterSync
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +127,12 @@ class Exchange:
         published = len(payload)
         got = self.opt.adopt_latest(self.kv, r, self.device)
         if isinstance(got, Refused):
-            # Keep this region's own parameters: the outer ones minus its pseudo-gradient.
-            self.opt.params.sub_(decode(payload, self.sync.compression).to(self.opt.params.device))
+            # Keep this region's own parameters: the outer ones minus its pseudo-gradient (as sent).
+            try:
+                own = codec(self.sync.compression).decode(payload, self.opt.bounds.numel)
+                self.opt.params.sub_(own.to(self.opt.params.device))
+            except Refused:
+                pass  # its own was not finite (codec.unusable): it keeps the outer parameters
             self.roster.announce(self.region, r + 1)
             log.warning(
                 "DiLoCo: region %s missed outer round %d and refused its published state (%s: %s); it keeps its own parameters",

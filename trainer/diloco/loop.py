@@ -22,7 +22,7 @@ from torch import nn
 from geoshard.errors import ConfigError
 from geoshard.trainer.config import TrainConfig, parse_host_port
 from geoshard.trainer.context import RankContext
-from geoshard.trainer.diloco.auth import read_secret
+from geoshard.trainer.diloco.auth import Refused, read_secret
 from geoshard.trainer.diloco.kv import connect_store
 from geoshard.trainer.diloco.rank import DiLoCo
 from geoshard.trainer.diloco.record import RoundRecord, append, rounds_path
@@ -38,6 +38,7 @@ def outer_settings(cfg: TrainConfig) -> OuterSync:
         outer_momentum=cfg.outer_momentum,
         nesterov=cfg.outer_nesterov,
         compression=cfg.outer_compression,
+        error_feedback=cfg.outer_error_feedback,
         round_timeout_s=cfg.outer_timeout,
         join_timeout_s=max(300.0, cfg.outer_timeout),
         overlap_steps=cfg.outer_overlap,
@@ -70,6 +71,11 @@ class OuterLoop:
         """Collective in the region. ``resumed``: the outer part of the region's checkpoint (None: a
         fresh start); ``redone``: steps logged after that checkpoint, which the region does again."""
         rec = self.diloco.join(self.store)
+        if self.leader and resumed is not None and "feedback" in resumed:
+            try:
+                self.diloco.feedback.load_state_dict(resumed["feedback"])
+            except Refused as e:  # a lost residual costs one round's rounding, not the run
+                log.warning("DiLoCo: region %s starts its error feedback at zero: its checkpoint's is refused (%s)", self.region, e)
         lost = redone
         if resumed is not None:
             # join() puts the newest outer parameters in place: the inner steps since the region's last
@@ -97,7 +103,7 @@ class OuterLoop:
 
     def state(self) -> dict[str, Any]:
         """What the region's checkpoint keeps of the outer loop."""
-        return {"round": self.diloco.round - 1, "last_round_step": self.last_round_step}
+        return {"round": self.diloco.round - 1, "last_round_step": self.last_round_step, "feedback": self.diloco.feedback.state_dict()}
 
     def leave(self) -> None:
         self.finish()

@@ -18,11 +18,12 @@ from torch import nn
 from geoshard.errors import ConfigError
 from geoshard.trainer.diloco.auth import Refused, Signer
 from geoshard.trainer.diloco.checks import Bounds
+from geoshard.trainer.diloco.codec import ErrorFeedback, NonFinite, codec, unusable
 from geoshard.trainer.diloco.exchange import Exchange, Pending
 from geoshard.trainer.diloco.kv import KV, OuterSyncError, Store
 from geoshard.trainer.diloco.optimizer import OuterOptimizer, latest, wait_latest
 from geoshard.trainer.diloco.record import JoinRecord, RoundRecord
-from geoshard.trainer.diloco.settings import OuterSync, encode
+from geoshard.trainer.diloco.settings import OuterSync
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class DiLoCo:
         self.store: Store | None = None
         self._signer = Signer(secret)
         self._opt = OuterOptimizer(sync, Bounds(sum(p.numel() for p in self.params), sync.compression))
+        # The leader's residual of what the codec dropped (codec.py); its state goes into the region's checkpoint.
+        self.feedback = ErrorFeedback(codec(sync.compression), self._opt.bounds.numel, sync.error_feedback)
         self._exchange: Exchange | None = None  # the leader's, from join on
         self._pending: Pending | None = None  # the round in flight (overlap_steps > 0)
         self._step = 0  # the last inner step maybe_sync saw
@@ -179,6 +182,15 @@ class DiLoCo:
         return dataclasses.replace(rec, refused=ex.refused())
 
     # -- the outer round ------------------------------------------------------------------------
+    def _encode(self, delta: torch.Tensor) -> bytes:
+        """The leader's pseudo-gradient as published (with error feedback). One that is not finite
+        goes out as a value every leader refuses as non-finite, so the round leaves it out at once."""
+        try:
+            return self.feedback.encode(delta)
+        except NonFinite as e:
+            log.warning("DiLoCo: region %s publishes an unusable pseudo-gradient for round %d: %s", self.region, self.round, e)
+            return unusable(self.feedback.codec, delta.numel())
+
     def maybe_sync(self, step: int) -> RoundRecord | None:
         """After inner step ``step`` (1-based): a round when ``step`` is a multiple of ``outer_steps``;
         with ``overlap_steps`` k, the round starts there and its record comes k steps later."""
@@ -196,7 +208,7 @@ class DiLoCo:
         t0 = time.perf_counter()
         rec: RoundRecord | None = None
         if self.is_leader:
-            payload = encode(self.outer - self._flat(), self.sync.compression)
+            payload = self._encode(self.outer - self._flat())
             rec = self._leader().run(self.round, step, payload, t0)
             self._load_flat(self.outer)
             rec = dataclasses.replace(rec, exchange_s=rec.sync_s, applied_step=step)
@@ -213,7 +225,7 @@ class DiLoCo:
         pending = Pending(step, step + self.sync.overlap_steps)
         if self.is_leader:
             pending.snapshot = self._flat()
-            payload = encode(self.outer - pending.snapshot, self.sync.compression)
+            payload = self._encode(self.outer - pending.snapshot)
             ex, r = self._leader(), self.round
             # Only this thread uses the store and the outer tensors until finish(); the training
             # thread touches the model's parameters only.

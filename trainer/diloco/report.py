@@ -82,6 +82,9 @@ def outer_section(run_dir: str | Path) -> dict[str, Any] | None:
         "sync_s_mean": round(sum(syncs) / len(syncs), 6) if syncs else 0.0,
         "sync_s_max": max(syncs, default=0.0),
         "bytes": sum(r["bytes"] for r in table),
+        # the pseudo-gradients' form on the long links (codec.py): one name, unless regions of
+        # several launches of the job differ
+        "compression": ", ".join(sorted({rec.compression for rec in records if rec.event != "join" and rec.compression})),
         "refused": dict(sorted(refused.items())),
         "left_out": [{"round": r, "region": g, "reason": why} for (_, r, g), why in sorted(left_out.items())],
     }

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from geoshard.errors import ConfigError
+from geoshard.trainer.diloco.codec import CODECS, codec
 
-COMPRESSIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": torch.float32}
+COMPRESSIONS = tuple(CODECS)  # the codecs (codec.py): fp16 bf16 none int8 fp8
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,8 @@ class OuterSync:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True
-    compression: str = "fp16"  # of the pseudo-gradient on the long links: fp16 | bf16 | none
+    compression: str = "fp16"  # of the pseudo-gradient on the long links: fp16 | bf16 | none | int8 | fp8
+    error_feedback: bool = True  # carry what a lossy compression dropped into the next round (codec.ErrorFeedback)
     round_timeout_s: float = 60.0  # how long a leader waits for the expected regions
     join_timeout_s: float = 300.0  # how long a starting region waits for the first published state
     # Inner steps a round's exchange runs behind (0: the region waits for each round). With k > 0
@@ -42,12 +44,15 @@ class OuterSync:
 
 
 def encode(delta: torch.Tensor, compression: str) -> bytes:
-    """A flat fp32 tensor → the bytes published (cast to the compression's dtype)."""
-    t = delta.detach().to(COMPRESSIONS[compression]).contiguous().cpu()
-    return t.view(torch.uint8).numpy().tobytes()
+    """A flat fp32 tensor → the bytes published (``codec(compression).encode``)."""
+    return codec(compression).encode(delta)
 
 
-def decode(payload: bytes, compression: str) -> torch.Tensor:
-    """The published bytes → a flat fp32 tensor on the CPU."""
-    dtype = COMPRESSIONS[compression]
-    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).to(torch.float32)
+def decode(payload: bytes, compression: str, numel: int | None = None) -> torch.Tensor:
+    """The published bytes → a flat fp32 tensor on the CPU (``numel``: needed for int8 and fp8)."""
+    c = codec(compression)
+    if numel is None:
+        if not c.summable:
+            raise ConfigError(f"decode: {compression} payloads need the element count (numel)")
+        numel = len(payload) // c.nbytes(1)
+    return c.decode(payload, numel)
