@@ -1,0 +1,135 @@
+"""DiLoCo's peer-to-peer outer exchange (trainer/diloco/: shards, ring, groups, sharded, mac, p2p):
+bulk bytes over gloo between the regions' ranks, sharded over every rank, the store for
+membership and rendezvous only. Real processes on 127.0.0.1 around a TCPStore this test hosts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from geoshard.trainer.diloco import host_store
+from geoshard.trainer.diloco.ring import ring_order
+from geoshard.trainer.diloco.shards import Layout, owned, shard_count, span
+from geoshard.wan.matrix import parse_matrix
+
+ROOT = Path(__file__).resolve().parent.parent
+RANK_JOB = ROOT / "tests" / "jobs" / "p2p_rank.py"
+
+
+def test_every_shard_has_exactly_one_owner_in_every_region_also_with_unequal_rank_counts() -> None:
+    ranks = {"us-east-1": 3, "eu-west-1": 2, "ap-southeast-1": 1}
+    s = shard_count(list(ranks.values()))
+    assert s == 3
+    assert owned(0, 2, s) == (0, 2) and owned(1, 2, s) == (1,) and owned(0, 1, s) == (0, 1, 2)
+    for n in ranks.values():
+        mine = [sh for k in range(n) for sh in owned(k, n, s)]
+        assert sorted(mine) == list(range(s))  # each shard once per region
+    numel = 10
+    spans = [span(numel, s, i) for i in range(s)]
+    assert spans == [(0, 4), (4, 7), (7, 10)]  # contiguous, cover the vector, sizes differ by at most one
+    assert Layout(numel, s, 2, 0).own_numel == 7 and Layout(numel, s, 2, 1).own_numel == 3
+    assert sum(Layout(numel, s, 3, k).own_numel for k in range(3)) == numel
+
+
+MATRIX = """
+[[link]]
+a = "us-east-1"
+b = "eu-west-1"
+latency_ms = 38
+bandwidth_mbit = 200
+[[link]]
+a = "us-east-1"
+b = "ap-southeast-1"
+latency_ms = 110
+bandwidth_mbit = 100
+[[link]]
+a = "us-east-1"
+b = "sa-east-1"
+latency_ms = 60
+bandwidth_mbit = 400
+[[link]]
+a = "eu-west-1"
+b = "ap-southeast-1"
+latency_ms = 85
+bandwidth_mbit = 400
+[[link]]
+a = "eu-west-1"
+b = "sa-east-1"
+latency_ms = 90
+bandwidth_mbit = 20
+[[link]]
+a = "ap-southeast-1"
+b = "sa-east-1"
+latency_ms = 150
+bandwidth_mbit = 300
+"""
+
+
+def test_the_ring_order_avoids_the_narrow_link_and_breaks_ties_by_latency() -> None:
+    m = parse_matrix(MATRIX)
+    links = {lk.pair: (lk.bytes_per_s, lk.latency_ms) for lk in m.links}
+    regions = ("us-east-1", "eu-west-1", "ap-southeast-1", "sa-east-1")
+    # Rings from us-east-1 (either direction): us-eu-ap-sa has links of 200/400/300/400 Mbit/s; both
+    # others cross eu-west-1 - sa-east-1 (20 Mbit/s).
+    assert ring_order(regions, links) == ("us-east-1", "eu-west-1", "ap-southeast-1", "sa-east-1")
+    # Every ring's slowest link at 200 Mbit/s: the least total latency wins (us-ap-eu-sa: 345 ms
+    # against 433 and 488), in its lexically first direction.
+    even = dict(links)
+    even[frozenset(("eu-west-1", "sa-east-1"))] = (200e6 / 8, 90.0)
+    even[frozenset(("us-east-1", "ap-southeast-1"))] = (200e6 / 8, 110.0)
+    even[frozenset(("ap-southeast-1", "sa-east-1"))] = (300e6 / 8, 250.0)
+    assert ring_order(regions, even) == ("us-east-1", "ap-southeast-1", "eu-west-1", "sa-east-1")
+    assert ring_order(regions, None) == regions  # no matrix: the job's order
+    assert ring_order(regions[:3], links) == regions[:3]  # three regions make one ring either way
+
+
+def run_ranks(mode: str, members: str, out: Path, compression: str = "none", timeout: float = 120) -> dict[str, dict[str, float]]:
+    """Every rank of every region of ``members`` as its own process; their JSON results by region-rank."""
+    store = host_store("127.0.0.1", timeout_s=60)
+    procs = []
+    for spec in members.split(","):
+        region, n = spec.split(":")
+        for k in range(int(n)):
+            argv = [sys.executable, "-P", str(RANK_JOB), mode, region, str(k), str(store.port), members, compression, str(out)]
+            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+            assert p.returncode == 0, "\n".join(outputs)[-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return {f.stem: json.loads(f.read_text()) for f in out.glob("*.json")}
+
+
+@pytest.mark.parametrize(
+    "members",
+    ["us-east-1:2,eu-west-1:3", "us-east-1:1,eu-west-1:2,ap-southeast-1:3"],
+)
+def test_the_sharded_exchange_equals_a_plain_all_reduce_to_fp32_rounding(members: str, tmp_path: Path) -> None:
+    results = run_ranks("sum", members, tmp_path)
+    ranks = {g: int(n) for g, n in (x.split(":") for x in members.split(","))}
+    assert sorted(results) == sorted(f"{g}-{k}" for g, n in ranks.items() for k in range(n))
+    m = len(ranks)
+    u = 2.0**-24
+    for name, doc in results.items():
+        assert doc["numel"] == 100_003
+        # fp32 sums of m values: each element within (m-1) u sum |x| of the exact sum, and so is the reference
+        assert doc["max_rel_to_bound"] <= 2 * (m - 1) * u * 1.01, (name, doc)
+        assert doc["max_abs"] < 1e-5, (name, doc)
+        assert doc["sent"] > 0
+        # the store carried the groups' rendezvous only: far less than one shard (100,003 fp32 values = 400 kB)
+        assert doc["store_bytes"] < 20_000, (name, doc)
+
+
+def test_a_compressed_exchange_sums_within_the_dtypes_rounding(tmp_path: Path) -> None:
+    results = run_ranks("sum", "us-east-1:1,eu-west-1:2,ap-southeast-1:2", tmp_path, compression="fp16")
+    for name, doc in results.items():
+        # fp16: each value rounded once (u = 2^-11), two sums rounded, the fp32 reference's own rounding
+        assert 0 < doc["max_rel_to_bound"] <= 3 * 2.0**-11 + 4 * 2.0**-24, (name, doc)
