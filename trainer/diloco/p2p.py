@@ -1,0 +1,197 @@
+"""One outer round over the peer-to-peer transport, on every rank of a region.
+
+The leader learns the round's members through the store (``membership``) and hands them to its
+region's ranks (the exchange's own region group). Each rank then, for every shard it owns
+(``shards``): takes its pseudo-gradient (outer shard minus the current parameters there), casts it
+to the compression's dtype, publishes its MAC projections signed in the store (``mac``), sums it
+with the other members' owners of that shard over gloo (``sharded``, ``streams`` chunks at once,
+ring order), checks the sum against the published projections, and — when every rank of the region
+found every shard sound (one flag all-reduced in the region) — divides by the members and takes the
+outer Nesterov step on the shard. Then the region all-gathers the shards: every rank holds the new
+parameters. A region that sits a round out (late), a refused sum, or an exchange that failed (a peer
+lost mid-round: gloo raises, or its timeout) leaves the region with its own parameters for that round.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed import BroadcastOptions
+
+from geoshard.trainer.diloco import mac
+from geoshard.trainer.diloco.auth import Refused
+from geoshard.trainer.diloco.groups import Bind, CountingStore, GroupCache, gloo_group
+from geoshard.trainer.diloco.kv import KV
+from geoshard.trainer.diloco.membership import Decision, Membership
+from geoshard.trainer.diloco.optimizer import OuterOptimizer
+from geoshard.trainer.diloco.record import RoundRecord
+from geoshard.trainer.diloco.ring import restrict
+from geoshard.trainer.diloco.settings import COMPRESSIONS, OuterSync
+from geoshard.trainer.diloco.sharded import Membership as Ring
+from geoshard.trainer.diloco.sharded import ShardGroups, allreduce_shards, gather_in_region, region_any
+from geoshard.trainer.diloco.shards import Layout, shard_count
+
+log = logging.getLogger(__name__)
+
+Corrupt = Callable[[int, int, torch.Tensor], None]  # (round, shard, contribution): tests only
+
+
+class P2PExchange:
+    """A rank's side of the peer-to-peer rounds: its shards of the outer state, its groups."""
+
+    def __init__(
+        self,
+        store: CountingStore,
+        kv: KV,
+        sync: OuterSync,
+        region: str,
+        job: Sequence[tuple[str, int]],
+        ring: Sequence[str],
+        k: int,
+        bind: Bind,
+        numel: int,
+        opt: OuterOptimizer,
+        token: str,
+        corrupt: Corrupt | None = None,
+    ) -> None:
+        self.store, self.kv, self.sync, self.region, self.bind = store, kv, sync, region, bind
+        self.job, self.ring = dict(job), tuple(ring)
+        self.layout = Layout(numel, shard_count(list(self.job.values())), self.job[region], k)
+        self.opt, self.corrupt = opt, corrupt
+        self.membership = Membership(kv, tuple(self.job), region, sync.round_timeout_s, self.layout.shards)
+        self.cache = GroupCache()
+        self.region_group: Any = None
+        if self.layout.n > 1:  # its own group: the training thread's never carries the exchange
+            wait_s = 2 * sync.round_timeout_s + 60  # non-leaders wait here while the leader waits on the store
+            self.region_group = gloo_group(store, kv.key("pg", "region", region, token) + "/", k, self.layout.n, bind, wait_s)
+        self._warned: set[str] = set()
+
+    # -- the outer shards -------------------------------------------------------------------------
+    def own(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shards of a full flat vector, concatenated."""
+        return torch.cat([flat[slice(*self.layout.span(s))] for s in self.layout.mine])
+
+    def _pieces(self, own: torch.Tensor) -> dict[int, torch.Tensor]:
+        out, i = {}, 0
+        for s in self.layout.mine:
+            a, b = self.layout.span(s)
+            out[s] = own[i : i + b - a]
+            i += b - a
+        return out
+
+    # -- one round ----------------------------------------------------------------------------------
+    def run(self, r: int, step: int, current: torch.Tensor, t0: float) -> tuple[RoundRecord, torch.Tensor]:
+        """Round ``r`` from this rank's current parameters (flat fp32): its record and the new full parameters."""
+        carried0, refused0 = self.store.carried, self.kv.signer.total()
+        decision = self._decide(r)
+        sent, left_out = 0, tuple[tuple[str, str], ...]()
+        if not decision.member:
+            log.warning("DiLoCo: region %s missed outer round %d; it keeps its own parameters for it", self.region, r)
+            self.opt.reset(self.own(current), self._momentum())
+            if self.layout.k == 0:
+                self.membership.roster.announce(self.region, r + 1)
+        else:
+            sent, left_out = self._member(r, decision, current)
+        full, gathered = gather_in_region(self.region_group, self.layout, self._pieces(self.opt.params))
+        missing = tuple(g for g in self.job if g not in decision.members and g not in decision.gone)
+        return RoundRecord(
+            r,
+            step,
+            decision.members,
+            missing,
+            time.perf_counter() - t0,
+            sent + gathered,
+            0,
+            self.sync.compression,
+            refused=self.kv.signer.total() - refused0,
+            left_out=left_out,
+            transport="p2p",
+            store_bytes=self.store.carried - carried0,
+        ), full
+
+    def _momentum(self) -> torch.Tensor | None:
+        return self.opt.momentum()
+
+    def _decide(self, r: int) -> Decision:
+        """The leader decides through the store; every rank of the region gets the same decision."""
+        d = self.membership.decide(r) if self.layout.k == 0 else None
+        if self.region_group is None:
+            assert d is not None
+            return d
+        names = tuple(self.job)
+        t = torch.zeros(3 + len(names), dtype=torch.int64)
+        if d is not None:
+            t[0], t[1] = int(d.member), d.since
+            for i, g in enumerate(names):
+                t[3 + i] = 1 if g in d.members else (2 if g in d.gone else 0)
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        self.region_group.broadcast([t], opts).wait()
+        members = tuple(g for i, g in enumerate(names) if t[3 + i] == 1)
+        gone = frozenset(g for i, g in enumerate(names) if t[3 + i] == 2)
+        return Decision(members, int(t[1]), bool(t[0]), gone)
+
+    def _member(self, r: int, d: Decision, current: torch.Tensor) -> tuple[int, tuple[tuple[str, str], ...]]:
+        """A member's round: bytes sent, and this region left out of its own result (why) when any
+        of its ranks refused a sum or lost a peer; every rank of the region decides the same."""
+        sent, why = 0, ""
+        try:
+            sent, summed, why = self._sum(r, d, current)
+        except RuntimeError as e:  # a peer lost mid-round: gloo raised, or its timeout passed
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            why = f"the exchange failed ({first})"
+            self.cache.keep(lambda key: False)  # its groups hold a dead peer: the next round makes new ones
+        if region_any(self.region_group, bool(why)):
+            why = why or "another rank of the region refused a shard's sum"
+            self.opt.reset(self.own(current), self._momentum())
+            log.warning("DiLoCo: region %s refuses outer round %d (%s); it keeps its own parameters for it", self.region, r, why)
+            return sent, ((self.region, why),)
+        m = len(d.members)
+        self.opt.step(torch.cat([summed[s].float() / m for s in self.layout.mine]))
+        return sent, ()
+
+    def _sum(self, r: int, d: Decision, current: torch.Tensor) -> tuple[int, dict[int, torch.Tensor], str]:
+        """Every owned shard summed over the members and checked: bytes sent, the sums, why not ('')."""
+        ring = Ring(tuple((g, self.job[g]) for g in restrict(self.ring, d.members)), f"m{d.since}")
+        self.cache.keep(lambda key: isinstance(key, tuple) and key[0] == ring.name)
+        timeout = self.sync.round_timeout_s
+        groups = ShardGroups(
+            self.store, self.kv.key("pg"), self.layout, ring, self.region, self.sync.streams, self.bind, timeout, self.cache
+        )
+        dtype = COMPRESSIONS[self.sync.compression]
+        values: dict[int, torch.Tensor] = {}
+        outer = self._pieces(self.opt.params)
+        for s in self.layout.mine:
+            a, b = self.layout.span(s)
+            values[s] = (outer[s] - current[a:b]).to(dtype)
+            projections = mac.project(self.kv.signer, r, d.since, s, values[s])
+            self.kv.set(self.mac_key(r, ring.name, s, self.region), mac.encode_projections(projections))
+            if self.corrupt is not None:
+                self.corrupt(r, s, values[s])
+        summed, sent = allreduce_shards(groups, values)
+        return sent, summed, self._check(r, d, ring.name, summed)
+
+    def mac_key(self, r: int, name: str, s: int, region: str) -> str:
+        return self.kv.key("r", r, "mac", name, s, region)
+
+    def _check(self, r: int, d: Decision, name: str, summed: dict[int, torch.Tensor]) -> str:
+        """Each owned shard's sum against the members' signed projections; why not, or ''."""
+        for s, t in summed.items():
+            keys = [self.mac_key(r, name, s, g) for g in d.members]
+            if not self.kv.wait_all(keys, self.sync.round_timeout_s):
+                return f"shard {s}: the members' projections did not arrive within {self.sync.round_timeout_s:g} s"
+            try:
+                published = []
+                for key, value in zip(keys, self.kv.open_many(keys), strict=True):
+                    if value is None:
+                        raise Refused("unauthenticated", f"{key} is not signed by the job")
+                    published.append(mac.decode_projections(value))
+                mac.check(self.kv.signer, r, d.since, s, t, published, self.sync.compression)
+            except Refused as e:
+                self.kv.signer.refuse(self.mac_key(r, name, s, self.region), e, log_it=False)
+                return f"shard {s}: {e.kind}: {e.reason}"
+        return ""
