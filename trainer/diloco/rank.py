@@ -23,8 +23,8 @@ from geoshard.trainer.diloco.checks import Bounds
 from geoshard.trainer.diloco.exchange import Exchange, Pending
 from geoshard.trainer.diloco.groups import LOOPBACK, Bind, CountingStore
 from geoshard.trainer.diloco.kv import KV, OuterSyncError, Store
-from geoshard.trainer.diloco.p2p import Corrupt, P2PExchange
 from geoshard.trainer.diloco.optimizer import OuterOptimizer, latest, wait_latest
+from geoshard.trainer.diloco.p2p import Corrupt, P2PExchange
 from geoshard.trainer.diloco.record import JoinRecord, RoundRecord
 from geoshard.trainer.diloco.settings import OuterSync, encode
 
@@ -152,9 +152,8 @@ class DiLoCo:
         p2p = self.sync.transport == "p2p"
         if p2p and store is not None:
             store = CountingStore(store)
-        if self.is_leader or p2p:
-            if store is None:
-                raise ConfigError("DiLoCo.join: the region leader (every rank with transport p2p) needs the outer store")
+        if (self.is_leader or p2p) and store is None:
+            raise ConfigError("DiLoCo.join: the region leader (every rank with transport p2p) needs the outer store")
         if self.is_leader:
             assert store is not None
             rec = self._join_store(store)
