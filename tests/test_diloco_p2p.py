@@ -173,3 +173,79 @@ def test_geoshard_train_with_the_p2p_transport_trains_and_keeps_bulk_bytes_out_o
             # membership, rendezvous and MAC keys only: far below one pseudo-gradient
             assert 0 < x["store_bytes"] < 100_000, x
             assert x["applied_step"] == x["step"] + overlap
+
+
+def start_ranks(mode: str, members: str, out: Path, port: int, compression: str = "fp16") -> list[subprocess.Popen[str]]:
+    key = out / "secret"
+    if not key.exists():
+        key.touch(mode=0o600)
+        key.write_bytes(b"s" * 32)
+    procs = []
+    for spec in members.split(","):
+        region, n = spec.split(":")
+        region_port = _free_port()
+        for k in range(int(n)):
+            argv = [sys.executable, "-P", str(RANK_JOB), mode, region, str(k), str(port), members, compression, str(out), str(region_port)]
+            with (out / f"{region}-{k}.log").open("w") as log:  # the child keeps its own descriptor
+                procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def records(out: Path, name: str) -> list[dict[str, object]]:
+    return [json.loads(x) for x in (out / f"{name}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_contribution_changed_after_its_projections_were_published_is_refused_by_the_mac(tmp_path: Path) -> None:
+    store = host_store("127.0.0.1", timeout_s=60)
+    members = "us-east-1:1,eu-west-1:2"
+    procs = start_ranks("mac", members, tmp_path, store.port)
+    for p in procs:
+        assert p.wait(timeout=300) == 0, "\n".join(f.read_text()[-3000:] for f in tmp_path.glob("*.log"))
+    logs = {f.stem: f.read_text() for f in tmp_path.glob("*.log")}
+    for name in ("us-east-1-0", "eu-west-1-0", "eu-west-1-1"):
+        recs = records(tmp_path, name)
+        region = name.rsplit("-", 1)[0]
+        assert [r["round"] for r in recs] == [1, 2, 3]
+        assert all(r["regions"] == ["us-east-1", "eu-west-1"] and r["transport"] == "p2p" for r in recs)
+        assert "left_out" not in recs[0] and "left_out" not in recs[2], name
+        why = recs[1]["left_out"][region]
+        # shard 0 is the one eu-west-1's rank 0 owns and changed; every region took the same decision
+        assert why.startswith("shard 0: unauthenticated: its projection") or why == "another rank of the region refused a shard's sum", why
+        warned = [line for line in logs[name].splitlines() if "refuses outer round" in line]
+        assert warned == [
+            f"WARNING geoshard.trainer.diloco.p2p: DiLoCo: region {region} refuses outer round 2 ({why}); it keeps its own parameters for it"
+        ]
+        assert "Traceback" not in logs[name]
+    assert records(tmp_path, "us-east-1-0")[1]["refused"] == 1
+
+
+@pytest.mark.slow
+def test_a_region_killed_mid_exchange_is_dropped_within_the_bound_and_the_others_finish(tmp_path: Path) -> None:
+    from geoshard.trainer.diloco.membership import REDO_WAIT_S
+
+    store = host_store("127.0.0.1", timeout_s=60)
+    members = "us-east-1:1,eu-west-1:2,ap-southeast-1:1"
+    procs = start_ranks("kill", members, tmp_path, store.port)
+    codes = [p.wait(timeout=300) for p in procs]
+    assert codes == [0, 0, 0, -9], "\n".join(f.read_text()[-3000:] for f in tmp_path.glob("*.log"))
+    killed_at = float((tmp_path / "killed-ap-southeast-1-0").read_text())
+    for name in ("us-east-1-0", "eu-west-1-0", "eu-west-1-1"):
+        recs = records(tmp_path, name)
+        assert [r["round"] for r in recs] == [1, 2, 3, 4]
+        assert recs[0]["regions"] == ["us-east-1", "eu-west-1", "ap-southeast-1"]
+        for r in recs[1:]:
+            assert r["regions"] == ["us-east-1", "eu-west-1"] and r["missing"] == ["ap-southeast-1"] and "left_out" not in r, r
+        # round 2 redone without it: its sockets closed, gloo raised at once, the redo waited REDO_WAIT_S for it
+        assert recs[1]["time"] - killed_at < 10.0, recs[1]["time"] - killed_at
+        # round 3 does not wait for it (its roster entry is -1)
+        assert recs[2]["exchange_s"] < REDO_WAIT_S, recs[2]
+    assert (tmp_path / "ap-southeast-1-0.jsonl").read_text().count("\n") == 1

@@ -3,7 +3,7 @@ so each owner checks the sum it received against values signed in the store.
 
 Each contributing owner projects its (decoded) shard ``x_j`` onto ``K`` secret vectors ``v``
 (standard normal, float64, from a ``torch.Generator`` seeded by an HMAC of the job's secret, the
-round, the attempt, the shard and the vector: nobody without the secret knows them) and
+round and its attempt, the shard and the vector: nobody without the secret knows them) and
 publishes, signed, ``p_j = <v, x_j>`` for each vector and ``b_j = |x_j|_2``. The projection is
 linear, so the exact sum ``x`` has ``<v, x> = sum_j p_j``.
 
@@ -41,16 +41,16 @@ def unit_roundoff(compression: str) -> float:
     return float(torch.finfo(COMPRESSIONS[compression]).eps) / 2
 
 
-def _seed(signer: Signer, r: int, attempt: int, s: int, i: int) -> int:
-    return int(signer.mac(f"mac-vector/{r}/{attempt}/{s}/{i}", b"")[:15], 16)
+def _seed(signer: Signer, tag: str, s: int, i: int) -> int:
+    return int(signer.mac(f"mac-vector/{tag}/{s}/{i}", b"")[:15], 16)
 
 
-def project(signer: Signer, r: int, attempt: int, s: int, x: torch.Tensor) -> list[float]:
+def project(signer: Signer, tag: str, s: int, x: torch.Tensor) -> list[float]:
     """``[p_1, ..., p_K, b]`` of shard ``s``'s values ``x`` (any float dtype)."""
     flat = x.reshape(-1)
     out: list[float] = []
     for i in range(K):
-        g = torch.Generator().manual_seed(_seed(signer, r, attempt, s, i))
+        g = torch.Generator().manual_seed(_seed(signer, tag, s, i))
         p = 0.0
         for start in range(0, flat.numel(), CHUNK):
             piece = flat[start : start + CHUNK].double()
@@ -78,14 +78,12 @@ def tolerance(published: Sequence[Sequence[float]], compression: str) -> float:
     return Z * (len(published) - 1) * unit_roundoff(compression) * sum(pub[K] for pub in published) + 1e-30
 
 
-def check(
-    signer: Signer, r: int, attempt: int, s: int, summed: torch.Tensor, published: Sequence[Sequence[float]], compression: str
-) -> None:
+def check(signer: Signer, tag: str, s: int, summed: torch.Tensor, published: Sequence[Sequence[float]], compression: str) -> None:
     """Refused when ``summed`` is not finite or is not the sum the ``published`` projections describe."""
     bad = int((~torch.isfinite(summed)).sum())
     if bad:
         raise Refused("non-finite", f"{bad} of the sum's {summed.numel()} values are NaN or infinite")
-    got = project(signer, r, attempt, s, summed)
+    got = project(signer, tag, s, summed)
     tol = tolerance(published, compression)
     for i in range(K):
         want = sum(pub[i] for pub in published)

@@ -1,11 +1,19 @@
 """Who takes part in a peer-to-peer round, decided through the store by the region leaders.
 
-Each leader sets its small signed ``ready`` key for the round, waits (at most ``round_timeout_s``)
-for the regions the roster expects, and the first leader done waiting closes the round (an atomic
-``add``): it writes the round's ``since`` (the round from which this exact set of members has
-held: the name of their gloo groups, so groups are rebuilt only when the set changes) and then its
-members. A leader whose ready key the closer saw is a member, however late it reads the result;
-one that was not seen is told so and sits the round out. Only small keys cross the store.
+Each leader sets its small signed ``ready`` key for the round's attempt, waits for the regions
+it expects, and the first leader done waiting closes the attempt (an atomic ``add``): it writes
+the attempt's ``since`` (the round and attempt from which this exact set of members has held: the
+name of their gloo groups, so groups are rebuilt only when the set changes), then its members. A
+leader whose ready key the closer saw is a member, however late it reads the result; one that was
+not seen sits the round out. Only small keys cross the store.
+
+Attempt 0 waits for the regions the roster expects, at most ``round_timeout_s``. When an attempt's
+exchange fails (a member lost mid-round: its sockets close and gloo raises at once on its peers, or
+it hangs and the groups' timeout, ``round_timeout_s``, passes), the survivors redo the round as
+attempt 1, 2, ...: each waits at most ``REDO_WAIT_S`` for the previous attempt's members, and the
+closer marks those that did not come lost (``-1`` in the roster) and leaves them out. A member lost
+mid-exchange is thus out of the next attempt within ``REDO_WAIT_S`` plus one store round trip
+after the failure shows (its deadline).
 """
 
 from __future__ import annotations
@@ -20,14 +28,16 @@ from geoshard.trainer.diloco.kv import KV, POLL_S
 from geoshard.trainer.diloco.roster import Roster
 
 RECHECK_S = 1.0  # while a leader waits: how often it looks whether a region it waits for has finished
+REDO_WAIT_S = 5.0  # a redone attempt waits this long for the previous attempt's members
+MAX_ATTEMPTS = 4  # attempts of one round before the region keeps its own parameters for it
 
 
 @dataclass(frozen=True)
 class Decision:
-    """A round's members (job order) and ``since``; ``member``: whether this region is one."""
+    """An attempt's members (job order) and their groups' name; ``member``: whether this region is one."""
 
     members: tuple[str, ...]
-    since: int
+    name: str  # "<round>.<attempt>" from which this set of members has held
     member: bool
     gone: frozenset[str] = frozenset()  # regions that finished their steps (not missing)
 
@@ -37,63 +47,102 @@ class Membership:
         self.kv, self.regions, self.region, self.timeout_s, self.shards = kv, tuple(regions), region, timeout_s, shards
         self.roster = Roster(kv, regions)
 
-    def ready_key(self, r: int, region: str) -> str:
-        return self.kv.key("r", r, "ready", region)
+    def _key(self, r: int, attempt: int, *names: object) -> str:
+        return self.kv.key("r", r, attempt, *names)
 
-    def since_key(self, r: int) -> str:
-        return self.kv.key("r", r, "since")
+    def members_key(self, r: int, attempt: int) -> str:
+        return self._key(r, attempt, "members")
 
-    def decide(self, r: int) -> Decision:
-        """The leader's part of round ``r``; None members when the round could not be read in time."""
-        self.kv.set(self.ready_key(r, self.region), "1")
+    def decide(self, r: int, attempt: int = 0, previous: Sequence[str] = ()) -> Decision:
+        """The leader's part of round ``r``'s ``attempt`` (``previous``: the failed attempt's members)."""
+        self.kv.set(self._key(r, attempt, "ready", self.region), "1")
         entries, _ = self.roster.read()
         gone = Roster.gone(entries)
-        members = self.roster.members(r) if self.kv.store.check([self.roster.members_key(r)]) else None
+        members = self._members(r, attempt) if self.kv.store.check([self.members_key(r, attempt)]) else None
         if members is None:
-            expected = Roster.expected(entries, r)
-            ready, left = self._await(r, expected)
+            if attempt == 0:
+                expected, wait_s = Roster.expected(entries, r), self.timeout_s
+            else:
+                expected, wait_s = [g for g in previous if g not in gone], REDO_WAIT_S
+            ready, left = self._await(r, attempt, expected, wait_s)
             gone |= left
-            if self.kv.store.add(self.kv.key("r", r, "close"), 1) == 1:
-                since = self._since(r, tuple(g for g in self.regions if g in ready))
-                self.kv.set(self.since_key(r), str(since))  # before the members: whoever sees them finds it
-                members = self.roster.close(r, [g for g in expected if g not in left], ready.__contains__, entries)
-                self.forget(r - 2)
-            elif self.kv.wait_all([self.roster.members_key(r)], self.timeout_s):
-                members = self.roster.members(r, closed=True)
-        since = self._read_since(r) if members is not None else r
+            if self.kv.store.add(self._key(r, attempt, "close"), 1) == 1:
+                members = self._close(r, attempt, [g for g in expected if g not in left], ready, entries)
+            elif self.kv.wait_all([self.members_key(r, attempt)], self.timeout_s):
+                members = self._members(r, attempt)
+        name = self._read_since(r, attempt) if members is not None else f"{r}.{attempt}"
         members = members or ()
-        return Decision(members, since, self.region in members, frozenset(gone))
+        return Decision(members, name, self.region in members, frozenset(gone))
 
-    def _since(self, r: int, members: tuple[str, ...]) -> int:
-        prev = self.roster.members(r - 1) if r > 1 else None
-        if prev == members:
-            return self._read_since(r - 1)
-        return r
+    def _close(self, r: int, attempt: int, expected: list[str], ready: set[str], entries: dict[str, str]) -> tuple[str, ...]:
+        members = tuple(g for g in self.regions if g in expected and g in ready)
+        for g in expected:
+            if g not in members:  # lost, or too slow: not waited for again until it announces itself
+                self.roster.mark_lost(g, entries.get(g, ""))
+        last = self._last(r - 1) if attempt == 0 and r > 1 else None
+        # the previous round's groups serve again when its last attempt had these members and did not fail
+        reuse = last is not None and self._members(r - 1, last) == members and not self.kv.store.check([self._key(r - 1, last, "failed")])
+        since = self._read_since(r - 1, last) if reuse and last is not None else f"{r}.{attempt}"
+        self.kv.set(self._key(r, attempt, "since"), since)  # before the members: whoever sees them finds it
+        self.kv.set(self.members_key(r, attempt), ",".join(members))
+        if attempt == 0:
+            self.forget(r - 2)
+        return members
 
-    def _read_since(self, r: int) -> int:
-        value = self.kv.get(self.since_key(r))
+    def _last(self, r: int) -> int | None:
+        """The last attempt of round ``r`` that was closed."""
+        last = None
+        for attempt in range(MAX_ATTEMPTS):
+            if not self.kv.store.check([self.members_key(r, attempt)]):
+                break
+            last = attempt
+        return last
+
+    def mark_failed(self, r: int, attempt: int) -> None:
+        """This attempt's exchange failed here: its groups are not reused."""
+        self.kv.set(self._key(r, attempt, "failed"), "1")
+
+    def _members(self, r: int, attempt: int) -> tuple[str, ...] | None:
+        key = self.members_key(r, attempt)
+        value = self.kv.get(key)
         if value is None:
-            return r
-        try:
-            return checks.parse_round(value)
-        except Refused as e:
-            self.kv.signer.refuse(self.since_key(r), e, value)
-            return r
+            return None
+        names = tuple(g for g in value.decode("ascii", errors="replace").split(",") if g)
+        if not set(names) <= set(self.regions):
+            self.kv.signer.refuse(key, Refused("malformed", f"members {','.join(names)[:80]!r} are not the job's regions"), value)
+            return None
+        return names
 
-    def _await(self, r: int, expected: list[str]) -> tuple[set[str], set[str]]:
-        """At most ``timeout_s``: the expected regions whose signed ready key is there, and those
-        that finished their steps meanwhile."""
-        deadline = time.monotonic() + self.timeout_s
+    def _read_since(self, r: int, attempt: int) -> str:
+        key = self._key(r, attempt, "since")
+        value = self.kv.get(key)
+        try:
+            if value is None:
+                raise Refused("malformed", "missing")
+            a, dot, b = value.decode("ascii", errors="replace").partition(".")
+            checks.parse_round(a.encode()), checks.parse_round(b.encode())
+            if not dot:
+                raise Refused("malformed", f"{value[:40]!r} is not ROUND.ATTEMPT")
+            return f"{int(a)}.{int(b)}"
+        except Refused as e:
+            if value is not None:
+                self.kv.signer.refuse(key, e, value)
+            return f"{r}.{attempt}"
+
+    def _await(self, r: int, attempt: int, expected: list[str], wait_s: float) -> tuple[set[str], set[str]]:
+        """At most ``wait_s``: the expected regions whose signed ready key is there, and those that
+        finished their steps meanwhile."""
+        deadline = time.monotonic() + wait_s
         ready: set[str] = set()
         left: set[str] = set()
         while waiting := [g for g in expected if g not in ready and g not in left]:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            keys = [self.ready_key(r, g) for g in waiting]
+            keys = [self._key(r, attempt, "ready", g) for g in waiting]
             every = self.kv.wait_all(keys, min(remaining, RECHECK_S))
-            there = waiting if every else [g for g in waiting if self.kv.store.check([self.ready_key(r, g)])]
-            for g, value in zip(there, self.kv.open_many([self.ready_key(r, g) for g in there]), strict=True):
+            there = waiting if every else [g for g, k in zip(waiting, keys, strict=True) if self.kv.store.check([k])]
+            for g, value in zip(there, self.kv.open_many([self._key(r, attempt, "ready", g) for g in there]), strict=True):
                 if value is not None:
                     ready.add(g)
             late = [g for g in waiting if g not in ready]
@@ -103,11 +152,15 @@ class Membership:
         return ready, left
 
     def forget(self, r: int) -> None:
-        """Drop an old round's small keys, where the store can."""
+        """Drop an old round's small keys (every attempt's), where the store can."""
         if r < 1:
             return
-        name = f"m{self._read_since(r)}"  # the round's group name, in its MAC keys
-        plain = [self.kv.key("r", r, "mac", name, s, g) for s in range(self.shards) for g in self.regions]
-        plain += [self.roster.members_key(r), self.kv.key("r", r, "close"), self.since_key(r)]
-        plain += [self.ready_key(r, g) for g in self.regions]
+        plain = []
+        for attempt in range(MAX_ATTEMPTS):
+            if not self.kv.store.check([self._key(r, attempt, "close")]):
+                break
+            name = self._read_since(r, attempt)
+            plain += [self._key(r, attempt, "mac", name, s, g) for s in range(self.shards) for g in self.regions]
+            plain += [self._key(r, attempt, k) for k in ("members", "close", "since", "failed")]
+            plain += [self._key(r, attempt, "ready", g) for g in self.regions]
         self.kv.delete(plain, [])

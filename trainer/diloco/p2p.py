@@ -8,8 +8,9 @@ with the other members' owners of that shard over gloo (``sharded``, ``streams``
 ring order), checks the sum against the published projections, and — when every rank of the region
 found every shard sound (one flag all-reduced in the region) — divides by the members and takes the
 outer Nesterov step on the shard. Then the region all-gathers the shards: every rank holds the new
-parameters. A region that sits a round out (late), a refused sum, or an exchange that failed (a peer
-lost mid-round: gloo raises, or its timeout) leaves the region with its own parameters for that round.
+parameters. A region that sits a round out (late) or refuses a sum keeps its own parameters for
+that round. An exchange that fails (a peer lost mid-round: gloo raises, or its timeout passes) is
+redone among the survivors as the round's next attempt (``membership``), up to ``MAX_ATTEMPTS``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,18 +28,19 @@ from geoshard.trainer.diloco import mac
 from geoshard.trainer.diloco.auth import Refused
 from geoshard.trainer.diloco.groups import Bind, CountingStore, GroupCache, gloo_group
 from geoshard.trainer.diloco.kv import KV
-from geoshard.trainer.diloco.membership import Decision, Membership
+from geoshard.trainer.diloco.membership import MAX_ATTEMPTS, Decision, Membership
 from geoshard.trainer.diloco.optimizer import OuterOptimizer
 from geoshard.trainer.diloco.record import RoundRecord
 from geoshard.trainer.diloco.ring import restrict
 from geoshard.trainer.diloco.settings import COMPRESSIONS, OuterSync
 from geoshard.trainer.diloco.sharded import Membership as Ring
-from geoshard.trainer.diloco.sharded import ShardGroups, allreduce_shards, gather_in_region, region_any
+from geoshard.trainer.diloco.sharded import ShardGroups, allreduce_shards, gather_in_region, region_max
 from geoshard.trainer.diloco.shards import Layout, shard_count
 
 log = logging.getLogger(__name__)
 
 Corrupt = Callable[[int, int, torch.Tensor], None]  # (round, shard, contribution): tests only
+OK, REFUSED, FAILED = 0, 1, 2  # an attempt's outcome on a rank; the region takes the worst
 
 
 class P2PExchange:
@@ -87,76 +90,78 @@ class P2PExchange:
     def run(self, r: int, step: int, current: torch.Tensor, t0: float) -> tuple[RoundRecord, torch.Tensor]:
         """Round ``r`` from this rank's current parameters (flat fp32): its record and the new full parameters."""
         carried0, refused0 = self.store.carried, self.kv.signer.total()
-        decision = self._decide(r)
-        sent, left_out = 0, tuple[tuple[str, str], ...]()
-        if not decision.member:
-            log.warning("DiLoCo: region %s missed outer round %d; it keeps its own parameters for it", self.region, r)
-            self.opt.reset(self.own(current), self._momentum())
-            if self.layout.k == 0:
-                self.membership.roster.announce(self.region, r + 1)
-        else:
-            sent, left_out = self._member(r, decision, current)
+        sent, left_out, previous = 0, tuple[tuple[str, str], ...](), tuple[str, ...]()
+        for attempt in range(MAX_ATTEMPTS):
+            d = self._decide(r, attempt, previous)
+            if not d.member:
+                log.warning("DiLoCo: region %s missed outer round %d; it keeps its own parameters for it", self.region, r)
+                self.opt.reset(self.own(current), self.opt.momentum())
+                if self.layout.k == 0:
+                    self.membership.roster.announce(self.region, r + 1)
+                break
+            n, code, why = self._member(r, attempt, d, current)
+            sent += n
+            if code == OK:
+                break
+            if code == REFUSED or attempt == MAX_ATTEMPTS - 1:
+                self.opt.reset(self.own(current), self.opt.momentum())
+                left_out = ((self.region, why),)
+                log.warning("DiLoCo: region %s refuses outer round %d (%s); it keeps its own parameters for it", self.region, r, why)
+                break
+            log.warning("DiLoCo: outer round %d attempt %d among %s failed (%s); the others redo it", r, attempt, ", ".join(d.members), why)
+            previous = d.members
         full, gathered = gather_in_region(self.region_group, self.layout, self._pieces(self.opt.params))
-        missing = tuple(g for g in self.job if g not in decision.members and g not in decision.gone)
-        return RoundRecord(
-            r,
-            step,
-            decision.members,
-            missing,
-            time.perf_counter() - t0,
-            sent + gathered,
-            0,
-            self.sync.compression,
-            refused=self.kv.signer.total() - refused0,
-            left_out=left_out,
-            transport="p2p",
-            store_bytes=self.store.carried - carried0,
-        ), full
+        missing = tuple(g for g in self.job if g not in d.members and g not in d.gone)
+        rec = RoundRecord(r, step, d.members, missing, time.perf_counter() - t0, sent + gathered, 0, self.sync.compression)
+        refused = self.kv.signer.total() - refused0
+        return replace(rec, refused=refused, left_out=left_out, transport="p2p", store_bytes=self.store.carried - carried0), full
 
-    def _momentum(self) -> torch.Tensor | None:
-        return self.opt.momentum()
-
-    def _decide(self, r: int) -> Decision:
+    def _decide(self, r: int, attempt: int, previous: tuple[str, ...]) -> Decision:
         """The leader decides through the store; every rank of the region gets the same decision."""
-        d = self.membership.decide(r) if self.layout.k == 0 else None
+        d = self.membership.decide(r, attempt, previous) if self.layout.k == 0 else None
         if self.region_group is None:
             assert d is not None
             return d
         names = tuple(self.job)
-        t = torch.zeros(3 + len(names), dtype=torch.int64)
+        t = torch.zeros(4 + len(names), dtype=torch.int64)
         if d is not None:
-            t[0], t[1] = int(d.member), d.since
+            a, _, b = d.name.partition(".")
+            t[0], t[1], t[2] = int(d.member), int(a), int(b)
             for i, g in enumerate(names):
-                t[3 + i] = 1 if g in d.members else (2 if g in d.gone else 0)
+                t[4 + i] = 1 if g in d.members else (2 if g in d.gone else 0)
         opts = BroadcastOptions()
         opts.rootRank = 0
         self.region_group.broadcast([t], opts).wait()
-        members = tuple(g for i, g in enumerate(names) if t[3 + i] == 1)
-        gone = frozenset(g for i, g in enumerate(names) if t[3 + i] == 2)
-        return Decision(members, int(t[1]), bool(t[0]), gone)
+        members = tuple(g for i, g in enumerate(names) if t[4 + i] == 1)
+        gone = frozenset(g for i, g in enumerate(names) if t[4 + i] == 2)
+        return Decision(members, f"{int(t[1])}.{int(t[2])}", bool(t[0]), gone)
 
-    def _member(self, r: int, d: Decision, current: torch.Tensor) -> tuple[int, tuple[tuple[str, str], ...]]:
-        """A member's round: bytes sent, and this region left out of its own result (why) when any
-        of its ranks refused a sum or lost a peer; every rank of the region decides the same."""
-        sent, why = 0, ""
+    def _member(self, r: int, attempt: int, d: Decision, current: torch.Tensor) -> tuple[int, int, str]:
+        """A member's attempt: bytes sent, OK / REFUSED (a sum failed its check) / FAILED (the
+        exchange raised), and why; every rank of the region ends with the same code."""
+        sent, code, why = 0, OK, ""
+        summed: dict[int, torch.Tensor] = {}
         try:
-            sent, summed, why = self._sum(r, d, current)
+            sent, summed, why = self._sum(r, attempt, d, current)
+            code = REFUSED if why else OK
         except RuntimeError as e:  # a peer lost mid-round: gloo raised, or its timeout passed
-            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            why = f"the exchange failed ({first})"
-            self.cache.keep(lambda key: False)  # its groups hold a dead peer: the next round makes new ones
-        if region_any(self.region_group, bool(why)):
-            why = why or "another rank of the region refused a shard's sum"
-            self.opt.reset(self.own(current), self._momentum())
-            log.warning("DiLoCo: region %s refuses outer round %d (%s); it keeps its own parameters for it", self.region, r, why)
-            return sent, ((self.region, why),)
+            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            code, why = FAILED, f"the exchange failed: {first}"
+        worst = region_max(self.region_group, code)
+        if worst == FAILED:
+            self.cache.keep(lambda key: False)  # its groups may hold a dead peer: the next attempt makes new ones
+            if self.layout.k == 0:
+                self.membership.mark_failed(r, attempt)
+            return sent, FAILED, why or "another rank of the region lost a peer"
+        if worst == REFUSED:
+            return sent, REFUSED, why or "another rank of the region refused a shard's sum"
         m = len(d.members)
         self.opt.step(torch.cat([summed[s].float() / m for s in self.layout.mine]))
-        return sent, ()
+        return sent, OK, ""
 
-    def _sum(self, r: int, d: Decision, current: torch.Tensor) -> tuple[int, dict[int, torch.Tensor], str]:
+    def _sum(self, r: int, attempt: int, d: Decision, current: torch.Tensor) -> tuple[int, dict[int, torch.Tensor], str]:
         """Every owned shard summed over the members and checked: bytes sent, the sums, why not ('')."""
-        ring = Ring(tuple((g, self.job[g]) for g in restrict(self.ring, d.members)), f"m{d.since}")
+        ring = Ring(tuple((g, self.job[g]) for g in restrict(self.ring, d.members)), f"m{d.name}")
         self.cache.keep(lambda key: isinstance(key, tuple) and key[0] == ring.name)
         timeout = self.sync.round_timeout_s
         groups = ShardGroups(
@@ -165,23 +170,24 @@ class P2PExchange:
         dtype = COMPRESSIONS[self.sync.compression]
         values: dict[int, torch.Tensor] = {}
         outer = self._pieces(self.opt.params)
+        tag = f"{r}/{attempt}/{d.name}"
         for s in self.layout.mine:
             a, b = self.layout.span(s)
             values[s] = (outer[s] - current[a:b]).to(dtype)
-            projections = mac.project(self.kv.signer, r, d.since, s, values[s])
-            self.kv.set(self.mac_key(r, ring.name, s, self.region), mac.encode_projections(projections))
+            projections = mac.project(self.kv.signer, tag, s, values[s])
+            self.kv.set(self.mac_key(r, attempt, d.name, s, self.region), mac.encode_projections(projections))
             if self.corrupt is not None:
                 self.corrupt(r, s, values[s])
         summed, sent = allreduce_shards(groups, values)
-        return sent, summed, self._check(r, d, ring.name, summed)
+        return sent, summed, self._check(r, attempt, d, summed)
 
-    def mac_key(self, r: int, name: str, s: int, region: str) -> str:
-        return self.kv.key("r", r, "mac", name, s, region)
+    def mac_key(self, r: int, attempt: int, name: str, s: int, region: str) -> str:
+        return self.kv.key("r", r, attempt, "mac", name, s, region)
 
-    def _check(self, r: int, d: Decision, name: str, summed: dict[int, torch.Tensor]) -> str:
+    def _check(self, r: int, attempt: int, d: Decision, summed: dict[int, torch.Tensor]) -> str:
         """Each owned shard's sum against the members' signed projections; why not, or ''."""
         for s, t in summed.items():
-            keys = [self.mac_key(r, name, s, g) for g in d.members]
+            keys = [self.mac_key(r, attempt, d.name, s, g) for g in d.members]
             if not self.kv.wait_all(keys, self.sync.round_timeout_s):
                 return f"shard {s}: the members' projections did not arrive within {self.sync.round_timeout_s:g} s"
             try:
@@ -190,8 +196,8 @@ class P2PExchange:
                     if value is None:
                         raise Refused("unauthenticated", f"{key} is not signed by the job")
                     published.append(mac.decode_projections(value))
-                mac.check(self.kv.signer, r, d.since, s, t, published, self.sync.compression)
+                mac.check(self.kv.signer, f"{r}/{attempt}/{d.name}", s, t, published, self.sync.compression)
             except Refused as e:
-                self.kv.signer.refuse(self.mac_key(r, name, s, self.region), e, log_it=False)
+                self.kv.signer.refuse(keys[d.members.index(self.region)], e, log_it=False)
                 return f"shard {s}: {e.kind}: {e.reason}"
         return ""

@@ -119,15 +119,15 @@ def gather_in_region(region_group: Any, layout: Layout, own: dict[int, torch.Ten
     return full, sum((layout.n - 1) * 4 * t.numel() for t in own.values())
 
 
-def region_any(region_group: Any, flag: bool) -> bool:
-    """Whether any rank of the region raised ``flag``: so that all of them take the same decision."""
+def region_max(region_group: Any, code: int) -> int:
+    """The largest ``code`` of the region's ranks: so that all of them take the same decision."""
     if region_group is None:
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        return code
+    t = torch.tensor([code], dtype=torch.int32)
     opts = AllreduceOptions()
     opts.reduceOp = ReduceOp.MAX  # type: ignore[assignment]
     region_group.allreduce([t], opts).wait()
-    return bool(t.item())
+    return int(t.item())
 
 
 def sharded_allreduce(
