@@ -248,3 +248,36 @@ def test_a_region_killed_mid_exchange_is_dropped_within_the_bound_and_the_others
         # round 3 does not wait for it (its roster entry is -1)
         assert recs[2]["exchange_s"] < REDO_WAIT_S, recs[2]
     assert (tmp_path / "ap-southeast-1-0.jsonl").read_text().count("\n") == 1
+
+
+@pytest.mark.slow
+def test_a_region_that_rejoins_gets_the_outer_state_peer_to_peer_and_the_store_carries_under_1_mb_a_round(tmp_path: Path) -> None:
+    store = host_store("127.0.0.1", timeout_s=60)
+    members = "us-east-1:1,eu-west-1:2,ap-southeast-1:1"
+    procs = start_ranks("rejoin", members, tmp_path, store.port)
+    ap = procs[-1]
+    assert ap.wait(timeout=300) == -9, "\n".join(f.read_text()[-3000:] for f in tmp_path.glob("*.log"))
+    (tmp_path / "ap-southeast-1-0.log").rename(tmp_path / "ap-southeast-1-0.first")
+    argv = [*ap.args, "again"]  # type: ignore[misc]
+    with (tmp_path / "ap-southeast-1-0.log").open("w") as log:
+        again = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
+    codes = [p.wait(timeout=300) for p in (*procs[:-1], again)]
+    assert codes == [0, 0, 0, 0], "\n".join(f.read_text()[-3000:] for f in tmp_path.glob("*.log"))
+    ap_recs = records(tmp_path, "ap-southeast-1-0")
+    assert ap_recs[0]["round"] == 1  # before the kill
+    # back: it may sit out a round it came too late for (keeping its own parameters), then takes the
+    # state in the first round it is a member of
+    late = [r for r in ap_recs[1:] if "ap-southeast-1" not in r["regions"]]
+    back = ap_recs[1 + len(late) :]
+    assert all(not r["adopted"] for r in late) and len(late) <= 1, late
+    assert back and back[0]["adopted"] and "ap-southeast-1" in back[0]["regions"], back[:1]
+    us = {r["round"]: r for r in records(tmp_path, "us-east-1-0")}
+    assert sorted(us) == list(range(1, 11))
+    for r in back:  # from the round it took the state on, it holds the same parameters as the others
+        assert r["digest"] == us[r["round"]]["digest"], (r, us[r["round"]])
+        assert r["regions"] == ["us-east-1", "eu-west-1", "ap-southeast-1"]
+    assert not any(r["adopted"] for r in back[1:])
+    for name in ("us-east-1-0", "eu-west-1-0", "eu-west-1-1", "ap-southeast-1-0"):
+        for r in records(tmp_path, name):
+            assert r["store_bytes"] < 1_000_000, (name, r)  # the 2.6 MB state never went through it
+    assert max(r["store_bytes"] for r in records(tmp_path, "us-east-1-0")) < 100_000

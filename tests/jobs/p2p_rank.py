@@ -1,7 +1,7 @@
 """Run by tests/test_diloco_p2p.py: one rank of one region calling the sharded exchange directly
 (``sharded_allreduce``) over a TCPStore that the test hosts on 127.0.0.1.
 
-argv: MODE REGION RANK STORE_PORT MEMBERS COMPRESSION OUT [REGION_PORT]
+argv: MODE REGION RANK STORE_PORT MEMBERS COMPRESSION OUT [REGION_PORT [AGAIN]]
   sum    each region contributes randn(NUMEL) seeded by its index in MEMBERS; writes the result's
          largest distance from the plain sum, the bytes sent and the store's bytes as one JSON line
          in OUT/REGION-RANK.json
@@ -9,6 +9,9 @@ argv: MODE REGION RANK STORE_PORT MEMBERS COMPRESSION OUT [REGION_PORT]
          round 2 after publishing its projections (as a tamperer on the wire would)
   kill   DiLoCo for 4 rounds; ap-southeast-1 writes the time and SIGKILLs itself in round 2, after
          publishing its projections, before the all-reduce
+  rejoin like kill, with a model of 330k parameters (its fp32 outer state, 2.6 MB, is more than the
+         store may carry), 10 rounds paced by 0.5 s a step; started again with AGAIN=again, the
+         region rejoins and takes part until the others finish
   Each DiLoCo rank appends its round records (with the time) to OUT/REGION-RANK.jsonl. A region of
   several ranks is its own gloo world on 127.0.0.1:REGION_PORT.
 """
@@ -16,6 +19,7 @@ argv: MODE REGION RANK STORE_PORT MEMBERS COMPRESSION OUT [REGION_PORT]
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -48,23 +52,29 @@ def rounds(mode: str, region: str, rank: int, store: dist.TCPStore, members: lis
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[8]}", rank=rank, world_size=n)
         group = dist.group.WORLD
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    width = 8192 if mode == "rejoin" else 64
+    model = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.Tanh(), torch.nn.Linear(width, 8))
+    again = len(sys.argv) > 9 and sys.argv[9] == "again"
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sync = OuterSync(outer_steps=2, transport="p2p", streams=2, compression=compression, round_timeout_s=20.0)
 
     def corrupt(r: int, s: int, t: torch.Tensor) -> None:
         if mode == "mac" and region == "eu-west-1" and rank == 0 and r == 2:
             t.add_(1.0)
-        if mode == "kill" and region == "ap-southeast-1" and r == 2:
+        if mode in ("kill", "rejoin") and region == "ap-southeast-1" and r == 2 and not again:
             Path(out, f"killed-{region}-{rank}").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
 
     secret = read_secret(Path(out, "secret"))
     diloco = DiLoCo(model, sync, region, names, group=group, secret=secret, ranks=[k for _, k in members], corrupt=corrupt)
-    diloco.join(store)
+    joined = diloco.join(store)
     g = torch.Generator().manual_seed(names.index(region) * 100 + rank)
+    total = {"mac": 3, "kill": 4, "rejoin": 10}[mode]
+    first = joined.round * 2 if again else 0  # a region that rejoins counts steps from the job's round
     with Path(out, f"{region}-{rank}.jsonl").open("a") as f:
-        for step in range(1, 2 * (3 if mode == "mac" else 4) + 1):
+        for step in range(first + 1, 2 * total + 1):
+            if mode == "rejoin":
+                time.sleep(0.5)
             x = torch.randn(16, 32, generator=g)
             loss = torch.nn.functional.mse_loss(model(x), x[:, :8])
             opt.zero_grad()
@@ -72,7 +82,8 @@ def rounds(mode: str, region: str, rank: int, store: dist.TCPStore, members: lis
             opt.step()
             rec = diloco.maybe_sync(step)
             if rec is not None:
-                f.write(json.dumps({**rec.to_dict(), "time": time.time()}) + "\n")
+                digest = hashlib.sha256(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().tobytes()).hexdigest()[:16]
+                f.write(json.dumps({**rec.to_dict(), "time": time.time(), "digest": digest}) + "\n")
                 f.flush()
     diloco.leave()
 

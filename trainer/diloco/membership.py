@@ -40,6 +40,18 @@ class Decision:
     name: str  # "<round>.<attempt>" from which this set of members has held
     member: bool
     gone: frozenset[str] = frozenset()  # regions that finished their steps (not missing)
+    fresh: tuple[str, ...] = ()  # members that rejoined: they contribute nothing and receive the outer state
+
+
+def last_round(kv: KV) -> int:
+    """The newest round a closer closed (0: none yet): where a region that rejoins starts counting."""
+    key = kv.key("p2p", "round")
+    value = kv.get(key)
+    try:
+        return 0 if value is None else checks.parse_round(value)
+    except Refused as e:
+        kv.signer.refuse(key, e, value or b"")
+        return 0
 
 
 class Membership:
@@ -53,9 +65,10 @@ class Membership:
     def members_key(self, r: int, attempt: int) -> str:
         return self._key(r, attempt, "members")
 
-    def decide(self, r: int, attempt: int = 0, previous: Sequence[str] = ()) -> Decision:
-        """The leader's part of round ``r``'s ``attempt`` (``previous``: the failed attempt's members)."""
-        self.kv.set(self._key(r, attempt, "ready", self.region), "1")
+    def decide(self, r: int, attempt: int = 0, previous: Sequence[str] = (), fresh: bool = False) -> Decision:
+        """The leader's part of round ``r``'s ``attempt`` (``previous``: the failed attempt's members;
+        ``fresh``: this region rejoined and needs the outer state)."""
+        self.kv.set(self._key(r, attempt, "ready", self.region), "fresh" if fresh else "1")
         entries, _ = self.roster.read()
         gone = Roster.gone(entries)
         members = self._members(r, attempt) if self.kv.store.check([self.members_key(r, attempt)]) else None
@@ -72,10 +85,15 @@ class Membership:
                 members = self._members(r, attempt)
         name = self._read_since(r, attempt) if members is not None else f"{r}.{attempt}"
         members = members or ()
-        return Decision(members, name, self.region in members, frozenset(gone))
+        value = self.kv.get(self._key(r, attempt, "fresh")) if members else None
+        rejoined = tuple(g for g in (value or b"").decode("ascii", errors="replace").split(",") if g in members)
+        return Decision(members, name, self.region in members, frozenset(gone), rejoined)
 
-    def _close(self, r: int, attempt: int, expected: list[str], ready: set[str], entries: dict[str, str]) -> tuple[str, ...]:
+    def _close(self, r: int, attempt: int, expected: list[str], ready: dict[str, bytes], entries: dict[str, str]) -> tuple[str, ...]:
         members = tuple(g for g in self.regions if g in expected and g in ready)
+        fresh = [g for g in members if ready[g] == b"fresh"]
+        if len(fresh) == len(members):  # nobody to take the state from: they start over from their own
+            fresh = []
         for g in expected:
             if g not in members:  # lost, or too slow: not waited for again until it announces itself
                 self.roster.mark_lost(g, entries.get(g, ""))
@@ -83,8 +101,10 @@ class Membership:
         # the previous round's groups serve again when its last attempt had these members and did not fail
         reuse = last is not None and self._members(r - 1, last) == members and not self.kv.store.check([self._key(r - 1, last, "failed")])
         since = self._read_since(r - 1, last) if reuse and last is not None else f"{r}.{attempt}"
-        self.kv.set(self._key(r, attempt, "since"), since)  # before the members: whoever sees them finds it
+        self.kv.set(self._key(r, attempt, "since"), since)  # before the members: whoever sees them finds them
+        self.kv.set(self._key(r, attempt, "fresh"), ",".join(fresh))
         self.kv.set(self.members_key(r, attempt), ",".join(members))
+        self.kv.set(self.kv.key("p2p", "round"), str(r))  # where a region that rejoins starts counting
         if attempt == 0:
             self.forget(r - 2)
         return members
@@ -129,11 +149,11 @@ class Membership:
                 self.kv.signer.refuse(key, e, value)
             return f"{r}.{attempt}"
 
-    def _await(self, r: int, attempt: int, expected: list[str], wait_s: float) -> tuple[set[str], set[str]]:
-        """At most ``wait_s``: the expected regions whose signed ready key is there, and those that
-        finished their steps meanwhile."""
+    def _await(self, r: int, attempt: int, expected: list[str], wait_s: float) -> tuple[dict[str, bytes], set[str]]:
+        """At most ``wait_s``: the expected regions whose signed ready key is there (with its value),
+        and those that finished their steps meanwhile."""
         deadline = time.monotonic() + wait_s
-        ready: set[str] = set()
+        ready: dict[str, bytes] = {}
         left: set[str] = set()
         while waiting := [g for g in expected if g not in ready and g not in left]:
             remaining = deadline - time.monotonic()
@@ -144,7 +164,7 @@ class Membership:
             there = waiting if every else [g for g, k in zip(waiting, keys, strict=True) if self.kv.store.check([k])]
             for g, value in zip(there, self.kv.open_many([self._key(r, attempt, "ready", g) for g in there]), strict=True):
                 if value is not None:
-                    ready.add(g)
+                    ready[g] = value
             late = [g for g in waiting if g not in ready]
             left |= Roster.gone(self.roster.entries(late)) if late else set()
             if late and len(there) == len(waiting):
@@ -161,6 +181,6 @@ class Membership:
                 break
             name = self._read_since(r, attempt)
             plain += [self._key(r, attempt, "mac", name, s, g) for s in range(self.shards) for g in self.regions]
-            plain += [self._key(r, attempt, k) for k in ("members", "close", "since", "failed")]
+            plain += [self._key(r, attempt, k) for k in ("members", "close", "since", "failed", "fresh")]
             plain += [self._key(r, attempt, "ready", g) for g in self.regions]
         self.kv.delete(plain, [])

@@ -71,7 +71,7 @@ class P2PExchange:
         if self.layout.n > 1:  # its own group: the training thread's never carries the exchange
             wait_s = 2 * sync.round_timeout_s + 60  # non-leaders wait here while the leader waits on the store
             self.region_group = gloo_group(store, kv.key("pg", "region", region, token) + "/", k, self.layout.n, bind, wait_s)
-        self._warned: set[str] = set()
+        self.fresh = False  # rejoined: its next round contributes nothing and receives the outer state
 
     # -- the outer shards -------------------------------------------------------------------------
     def own(self, flat: torch.Tensor) -> torch.Tensor:
@@ -90,9 +90,10 @@ class P2PExchange:
     def run(self, r: int, step: int, current: torch.Tensor, t0: float) -> tuple[RoundRecord, torch.Tensor]:
         """Round ``r`` from this rank's current parameters (flat fp32): its record and the new full parameters."""
         carried0, refused0 = self.store.carried, self.kv.signer.total()
-        sent, left_out, previous = 0, tuple[tuple[str, str], ...](), tuple[str, ...]()
+        sent, left_out, previous, adopted = 0, tuple[tuple[str, str], ...](), tuple[str, ...](), False
         for attempt in range(MAX_ATTEMPTS):
             d = self._decide(r, attempt, previous)
+            adopted = self.region in d.fresh
             if not d.member:
                 log.warning("DiLoCo: region %s missed outer round %d; it keeps its own parameters for it", self.region, r)
                 self.opt.reset(self.own(current), self.opt.momentum())
@@ -102,6 +103,7 @@ class P2PExchange:
             n, code, why = self._member(r, attempt, d, current)
             sent += n
             if code == OK:
+                self.fresh = self.fresh and not adopted
                 break
             if code == REFUSED or attempt == MAX_ATTEMPTS - 1:
                 self.opt.reset(self.own(current), self.opt.momentum())
@@ -114,11 +116,13 @@ class P2PExchange:
         missing = tuple(g for g in self.job if g not in d.members and g not in d.gone)
         rec = RoundRecord(r, step, d.members, missing, time.perf_counter() - t0, sent + gathered, 0, self.sync.compression)
         refused = self.kv.signer.total() - refused0
-        return replace(rec, refused=refused, left_out=left_out, transport="p2p", store_bytes=self.store.carried - carried0), full
+        adopted = adopted and not left_out
+        store_bytes = self.store.carried - carried0
+        return replace(rec, adopted=adopted, refused=refused, left_out=left_out, transport="p2p", store_bytes=store_bytes), full
 
     def _decide(self, r: int, attempt: int, previous: tuple[str, ...]) -> Decision:
         """The leader decides through the store; every rank of the region gets the same decision."""
-        d = self.membership.decide(r, attempt, previous) if self.layout.k == 0 else None
+        d = self.membership.decide(r, attempt, previous, self.fresh) if self.layout.k == 0 else None
         if self.region_group is None:
             assert d is not None
             return d
@@ -128,13 +132,14 @@ class P2PExchange:
             a, _, b = d.name.partition(".")
             t[0], t[1], t[2] = int(d.member), int(a), int(b)
             for i, g in enumerate(names):
-                t[4 + i] = 1 if g in d.members else (2 if g in d.gone else 0)
+                t[4 + i] = (3 if g in d.fresh else 1) if g in d.members else (2 if g in d.gone else 0)
         opts = BroadcastOptions()
         opts.rootRank = 0
         self.region_group.broadcast([t], opts).wait()
-        members = tuple(g for i, g in enumerate(names) if t[4 + i] == 1)
+        members = tuple(g for i, g in enumerate(names) if t[4 + i] in (1, 3))
         gone = frozenset(g for i, g in enumerate(names) if t[4 + i] == 2)
-        return Decision(members, f"{int(t[1])}.{int(t[2])}", bool(t[0]), gone)
+        fresh = tuple(g for i, g in enumerate(names) if t[4 + i] == 3)
+        return Decision(members, f"{int(t[1])}.{int(t[2])}", bool(t[0]), gone, fresh)
 
     def _member(self, r: int, attempt: int, d: Decision, current: torch.Tensor) -> tuple[int, int, str]:
         """A member's attempt: bytes sent, OK / REFUSED (a sum failed its check) / FAILED (the
@@ -155,7 +160,7 @@ class P2PExchange:
             return sent, FAILED, why or "another rank of the region lost a peer"
         if worst == REFUSED:
             return sent, REFUSED, why or "another rank of the region refused a shard's sum"
-        m = len(d.members)
+        m = len(d.members) - len(d.fresh)  # a region that rejoined contributed nothing
         self.opt.step(torch.cat([summed[s].float() / m for s in self.layout.mine]))
         return sent, OK, ""
 
@@ -174,12 +179,54 @@ class P2PExchange:
         for s in self.layout.mine:
             a, b = self.layout.span(s)
             values[s] = (outer[s] - current[a:b]).to(dtype)
+            if self.region in d.fresh:
+                values[s].zero_()  # its outer shards are not the job's: it takes theirs below
             projections = mac.project(self.kv.signer, tag, s, values[s])
             self.kv.set(self.mac_key(r, attempt, d.name, s, self.region), mac.encode_projections(projections))
             if self.corrupt is not None:
                 self.corrupt(r, s, values[s])
         summed, sent = allreduce_shards(groups, values)
-        return sent, summed, self._check(r, attempt, d, summed)
+        why = self._check(r, attempt, d, summed)
+        if d.fresh:
+            sent += self._hand_over(groups, ring, d)
+        return sent, summed, why
+
+    def _hand_over(self, groups: ShardGroups, ring: Ring, d: Decision) -> int:
+        """Regions that rejoined get the outer state (fp32 parameters and momentum) from the first
+        member in ring order that did not, peer to peer: each owner broadcasts its shards, in the
+        streams' chunks, on the shard's groups, before the step (which every member then takes
+        alike). The bytes this rank sent."""
+        source = next(g for g, _ in ring.members if g not in d.fresh)
+        root = ring.index(source)
+        mom = self.opt.momentum()
+        state = {
+            s: (p.clone(), torch.zeros_like(p) if mom is None else mom[i : i + p.numel()].clone())
+            for s, p, i in self._owned(self.opt.params)
+        }
+        works, sent = [], 0
+        for s, (params, momentum) in state.items():
+            for c, (a, b) in enumerate(groups.pieces(s)):
+                opts = BroadcastOptions()
+                opts.rootRank = root
+                for t in (params[a:b], momentum[a:b]):
+                    works.append(groups.group(s, c).broadcast([t], opts))
+                    sent += (len(ring.members) - 1) * 4 * (b - a) if self.region == source else 0
+        for w in works:
+            w.wait()
+        if self.region in d.fresh:
+            params = torch.cat([state[s][0] for s in self.layout.mine])
+            momentum = torch.cat([state[s][1] for s in self.layout.mine])
+            self.opt.reset(params, momentum if self.sync.outer_momentum > 0 else None)
+        return sent
+
+    def _owned(self, own: torch.Tensor) -> list[tuple[int, torch.Tensor, int]]:
+        """(shard, its part of ``own``, its offset in ``own``) for each owned shard."""
+        out, i = [], 0
+        for s in self.layout.mine:
+            a, b = self.layout.span(s)
+            out.append((s, own[i : i + b - a], i))
+            i += b - a
+        return out
 
     def mac_key(self, r: int, attempt: int, name: str, s: int, region: str) -> str:
         return self.kv.key("r", r, attempt, "mac", name, s, region)

@@ -23,6 +23,7 @@ from geoshard.trainer.diloco.checks import Bounds
 from geoshard.trainer.diloco.exchange import Exchange, Pending
 from geoshard.trainer.diloco.groups import LOOPBACK, Bind, CountingStore
 from geoshard.trainer.diloco.kv import KV, OuterSyncError, Store
+from geoshard.trainer.diloco.membership import last_round
 from geoshard.trainer.diloco.optimizer import OuterOptimizer, latest, wait_latest
 from geoshard.trainer.diloco.p2p import Corrupt, P2PExchange
 from geoshard.trainer.diloco.record import JoinRecord, RoundRecord
@@ -77,6 +78,7 @@ class DiLoCo:
         self._pending: Pending | None = None  # the round in flight (overlap_steps > 0)
         self._step = 0  # the last inner step maybe_sync saw
         self._p2p: P2PExchange | None = None  # every rank's, from join on (transport p2p)
+        self._rejoined = False  # p2p: the leader joined a job that had rounds: the state comes in the next round
         self._p2p_args = (tuple(ranks or ()), bind, tuple(ring or regions), corrupt)
         if sync.transport == "p2p" and len(self._p2p_args[0]) != len(self.regions):
             raise ConfigError(f"DiLoCo p2p: give the rank count of each of the job's {len(self.regions)} regions (ranks=...)")
@@ -173,10 +175,10 @@ class DiLoCo:
         flat = self._flat()
         mom = self._opt.momentum() if self.is_leader and self._opt.momentum() is not None else None
         token = time.time_ns() if self.is_leader else 0
-        box = [(token, mom is not None)]
+        box = [(token, mom is not None, self._rejoined)]
         if self.group is not None:
             dist.broadcast_object_list(box, group=self.group, group_src=0)
-        token, has_mom = box[0]
+        token, has_mom, rejoined = box[0]
         if has_mom:
             mom = mom if self.is_leader else torch.empty_like(flat)
             assert mom is not None
@@ -188,12 +190,21 @@ class DiLoCo:
         job = tuple(zip(self.regions, ranks, strict=True))
         self._p2p = P2PExchange(store, kv, self.sync, self.region, job, ring, rank, bind, flat.numel(), opt, str(token), corrupt)
         opt.reset(self._p2p.own(flat), None if mom is None else self._p2p.own(mom))
+        self._p2p.fresh = rejoined
 
     def _join_store(self, store: Store) -> JoinRecord:
         """The leader's part of ``join``."""
         self.store = store
         kv = KV(store, self.prefix, self._signer)
         ex = self._exchange = Exchange(kv, self.sync, self.region, self.regions, self._opt, self.params[0].device)
+        if self.sync.transport == "p2p" and (last := last_round(kv)) > 0:
+            # Rounds went on peer to peer since round 0: the state comes from a live region's owners in
+            # this region's first round (``P2PExchange.fresh``), never through the store.
+            self._check_contract(kv)
+            self._opt.reset(self._flat(), None)
+            self._rejoined = True
+            ex.roster.announce(self.region, last + 1)
+            return JoinRecord(last, 0, False, 0, refused=ex.refused())
         newest = latest(kv)
         if newest is None and self.region == self.regions[0] and store.add(kv.key("created"), 1) == 1:
             self._opt.reset(self._flat(), None)
