@@ -172,7 +172,7 @@ def test_geoshard_train_with_the_p2p_transport_trains_and_keeps_bulk_bytes_out_o
             assert x["transport"] == "p2p" and not x["adopted"] and x["missing"] == [] and "left_out" not in x
             # membership, rendezvous and MAC keys only: far below one pseudo-gradient
             assert 0 < x["store_bytes"] < 100_000, x
-            assert x["applied_step"] == x["step"] + overlap
+            assert x["applied_step"] == min(x["step"] + overlap, steps)  # the last round is taken at the end
 
 
 def start_ranks(mode: str, members: str, out: Path, port: int, compression: str = "fp16") -> list[subprocess.Popen[str]]:
