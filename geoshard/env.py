@@ -18,6 +18,7 @@ class Environment:
     geoshard_region: str | None = None
     source_date_epoch: int | None = None  # reproducible-builds convention: fixes manifest timestamps
     timeout_s: float | None = None  # GEOSHARD_TIMEOUT: bound on each S3 request of split, sync, pull, probe, refresh
+    gloo_ifname: str | None = None  # GLOO_SOCKET_IFNAME: where the DiLoCo p2p exchange's gloo sockets bind
 
     def __repr__(self) -> str:  # never print credentials; this class holds none on purpose
         return f"Environment(endpoint_url={self.endpoint_url!r}, region={self.region!r})"
@@ -32,6 +33,7 @@ def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
         geoshard_region=env.get("GEOSHARD_REGION") or None,
         source_date_epoch=_int_or_none(env.get("SOURCE_DATE_EPOCH")),
         timeout_s=_seconds(env.get("GEOSHARD_TIMEOUT"), "GEOSHARD_TIMEOUT"),
+        gloo_ifname=env.get("GLOO_SOCKET_IFNAME") or None,
     )
 
 

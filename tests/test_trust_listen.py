@@ -144,8 +144,9 @@ def external_addresses() -> list[str]:
         ("--region", EU, "--nproc", "2"),
         ("--regions", f"{US}:1,{EU}:1"),
         ("--regions", f"{US}:1,{EU}:1", "--sync", "diloco", "--outer-steps", "5"),
+        ("--regions", f"{US}:1,{EU}:2", "--sync", "diloco", "--outer-steps", "5", "--outer-transport", "p2p"),
     ],
-    ids=["one-region", "regions", "diloco"],
+    ids=["one-region", "regions", "diloco", "diloco-p2p"],
 )
 def test_every_listener_of_the_job_is_on_loopback(plan: Path, tmp_path: Path, job: tuple[str, ...]) -> None:
     out = tmp_path / "run"
@@ -161,13 +162,14 @@ def test_every_listener_of_the_job_is_on_loopback(plan: Path, tmp_path: Path, jo
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the WAN rehearsal needs root (CAP_NET_ADMIN)")
-@pytest.mark.parametrize("sync", ["hierarchical", "diloco"])
+@pytest.mark.parametrize("sync", ["hierarchical", "diloco", "diloco-p2p"])
 def test_under_wan_every_listener_is_on_its_regions_address(plan: Path, tmp_path: Path, sync: str) -> None:
     matrix = tmp_path / "wan.toml"
     matrix.write_text(f'[[link]]\na = "{US}"\nb = "{EU}"\nlatency_ms = 5\nbandwidth_mbit = 200\n')
     out = tmp_path / "run"
-    argv = [GEOSHARD, "train", "--plan", str(plan), "--regions", f"{US}:1,{EU}:1", "--sync", sync, *FLAGS, "--steps", "15"]
-    argv += ["--outer-steps", "5"] if sync == "diloco" else []
+    argv = [GEOSHARD, "train", "--plan", str(plan), "--regions", f"{US}:1,{EU}:1", "--sync", sync.split("-")[0], *FLAGS, "--steps", "15"]
+    argv += ["--outer-steps", "5"] if sync.startswith("diloco") else []
+    argv += ["--outer-transport", "p2p"] if sync == "diloco-p2p" else []  # the exchange's gloo sockets too
     code, seen = watch([*argv, "--out", str(out), "--wan", str(matrix)], tmp_path / "run.log")
     assert code == 0, (tmp_path / "run.log").read_text()[-3000:]
     assert not wildcard(seen), wildcard(seen)

@@ -20,6 +20,7 @@ COMPRESSIONS = ("none", "fp16")
 SYNCS = ("auto", "flat", "hierarchical", "diloco")
 OUTER_COMPRESSIONS = ("fp16", "bf16", "none", "int8", "fp8")  # of DiLoCo's pseudo-gradients on the long links (diloco/codec.py)
 INNER_OPTIMIZERS = ("sgd", "adamw")
+OUTER_TRANSPORTS = ("store", "p2p")  # how they travel: through the outer store, or over gloo between the ranks
 MODELS = ("mlp", "none")  # none: no model, the data path alone (a stated compute time per step)
 NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "NVLS", "NVLSTree", "PAT")
 _REGION_SPEC = re.compile(r"^([^:]+):([0-9]+)$")
@@ -103,6 +104,9 @@ class TrainConfig:
     outer_store: str | None = None  # HOST:PORT of the store the region leaders meet in (geoshard train hosts it)
     outer_regions: str | None = None  # the job's regions and ranks, REGION:RANKS,... (the same on every region)
     outer_secret_file: str | None = None  # the job's secret that signs the store's values (its path, never the secret)
+    outer_transport: str = "store"  # p2p: pseudo-gradients over gloo, sharded over every rank; the store for membership
+    outer_streams: int = 4  # p2p: concurrent all-reduces per shard and pair of peers
+    outer_wan: str | None = None  # p2p: a WAN matrix (TOML) that orders the exchange's rings (geoshard train --wan sets it)
     utilization_target: float = 0.95  # compute time / wall time the report holds the job to
     # A flat job across regions: REGION:RANKS,... that numbers its ranks (trainer/rankorder.py);
     # None: torchrun's numbering. geoshard train --regions sets it.
@@ -121,6 +125,10 @@ class TrainConfig:
             raise ConfigError(f"--outer-momentum must be at least 0 and below 1, got {self.outer_momentum}")
         if self.outer_compression not in OUTER_COMPRESSIONS:
             raise ConfigError(f"--outer-compression must be one of {', '.join(OUTER_COMPRESSIONS)}, got {self.outer_compression!r}")
+        if self.outer_transport not in OUTER_TRANSPORTS:
+            raise ConfigError(f"--outer-transport must be one of {', '.join(OUTER_TRANSPORTS)}, got {self.outer_transport!r}")
+        if not 1 <= self.outer_streams <= 64:
+            raise ConfigError(f"--outer-streams must be 1 to 64, got {self.outer_streams}")
         if not 0 <= self.outer_overlap < self.outer_steps:
             raise ConfigError(f"--outer-overlap must be at least 0 and below --outer-steps ({self.outer_steps}), got {self.outer_overlap}")
         if not 0 < self.outer_timeout <= 86400:

@@ -258,7 +258,9 @@ def _announce(cfg: TrainConfig, ctx: RankContext, balance: Any, sync: str) -> No
             f"geoshard.trainer: {ctx.region}: {ctx.group_size} of the job's {ctx.world_size} rank(s); DDP in the region, "
             f"DiLoCo across {cfg.outer_regions} every {cfg.outer_steps} steps (outer lr {cfg.outer_lr:g}, "
             f"momentum {cfg.outer_momentum:g}{', Nesterov' if cfg.outer_nesterov else ''}, {cfg.outer_compression}"
-            f"{'' if cfg.outer_error_feedback or cfg.outer_compression == 'none' else ' without error feedback'})",
+            f"{'' if cfg.outer_error_feedback or cfg.outer_compression == 'none' else ' without error feedback'}"
+            + (f"; peer to peer, sharded over every rank, {cfg.outer_streams} streams" if cfg.outer_transport == "p2p" else "")
+            + ")",
             flush=True,
         )
     else:

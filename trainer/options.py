@@ -8,7 +8,17 @@ from typing import Any, TypeVar
 
 import click
 
-from geoshard.trainer.config import BACKENDS, COMPRESSIONS, INNER_OPTIMIZERS, MODELS, NCCL_ALGOS, OUTER_COMPRESSIONS, SYNCS, TrainConfig
+from geoshard.trainer.config import (
+    BACKENDS,
+    COMPRESSIONS,
+    INNER_OPTIMIZERS,
+    MODELS,
+    NCCL_ALGOS,
+    OUTER_COMPRESSIONS,
+    OUTER_TRANSPORTS,
+    SYNCS,
+    TrainConfig,
+)
 from geoshard.util.units import parse_duration
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -79,6 +89,22 @@ _OPTIONS = [
         type=int,
         help="DiLoCo: inner steps each round's exchange runs behind training (0: training waits for each round).",
     ),
+    click.option(
+        "--outer-transport",
+        type=click.Choice(OUTER_TRANSPORTS),
+        default="store",
+        show_default=True,
+        help="DiLoCo: pseudo-gradients through the outer store, or p2p: over gloo between the regions' ranks, "
+        "sharded over every rank (the store for membership only).",
+    ),
+    click.option(
+        "--outer-streams",
+        default=4,
+        show_default=True,
+        type=int,
+        help="DiLoCo p2p: concurrent all-reduces (TCP streams) per shard and pair of peers.",
+    ),
+    click.option("--outer-wan", help="DiLoCo p2p: a WAN matrix (TOML) whose bandwidths order the exchange's rings (--wan sets it)."),
     click.option(
         "--outer-timeout", default=120.0, show_default=True, type=float, help="DiLoCo: seconds a round waits for the other regions."
     ),

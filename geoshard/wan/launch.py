@@ -43,7 +43,10 @@ def launch_under_wan(
             env=lambda r: {**wan.env(r), "TORCH_CPP_LOG_LEVEL": "ERROR"},
             inside=lambda r: netns.inside(wan.netns(r)),
         )
-        code = launch_regions(dataclasses.replace(cfg, plan=plan), regions, max_restarts, env=env, net=net)
+        # DiLoCo p2p orders its rings by the matrix's bandwidths (unless the user named another matrix)
+        outer_wan = cfg.outer_wan or (str(Path(matrix_path).resolve()) if cfg.outer_transport == "p2p" else None)
+        job_cfg = dataclasses.replace(cfg, plan=plan, outer_wan=outer_wan)
+        code = launch_regions(job_cfg, regions, max_restarts, env=env, net=net)
         counters = wan.counters()
         links: list[dict[str, Any]] = [{"from": a, "to": b, "bytes": n, "packets": k} for (a, b), (n, k) in sorted(counters.items())]
         record = {

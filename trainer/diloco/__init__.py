@@ -33,6 +33,13 @@ outer parameters, their SGD, the published state), ``exchange`` (one round on a 
 thread that runs it behind training), ``rank`` (``DiLoCo``: one per rank), ``loop`` (DiLoCo in
 the trainer's loop) and ``report`` (the report's rounds).
 
+The peer-to-peer transport (``OuterSync(transport="p2p")``, ``--outer-transport p2p``; docs/diloco.md):
+every rank keeps its shards of the outer state (``shards``) and all-reduces them over gloo groups
+made on the store (``groups``) with the other regions' owners, in ring order (``ring``), several
+streams at once (``sharded``; ``sharded_allreduce`` for benches), checks each sum with a linear MAC
+(``mac``); the leaders agree on members and attempts through small keys (``membership``); ``p2p``
+is one round on a rank. The store carries no pseudo-gradient and no state.
+
 Names are imported on first use, so the report (``diloco.report``) reads rounds files without torch.
 """
 
@@ -46,6 +53,7 @@ if TYPE_CHECKING:
     from geoshard.trainer.diloco.rank import DiLoCo
     from geoshard.trainer.diloco.record import JoinRecord, RoundRecord
     from geoshard.trainer.diloco.settings import COMPRESSIONS, OuterSync, decode, encode
+    from geoshard.trainer.diloco.sharded import sharded_allreduce
 
 _WHERE = {
     "PART_BYTES": "kv",
@@ -60,6 +68,7 @@ _WHERE = {
     "OuterSync": "settings",
     "decode": "settings",
     "encode": "settings",
+    "sharded_allreduce": "sharded",
 }
 __all__ = [
     "COMPRESSIONS",
@@ -74,6 +83,7 @@ __all__ = [
     "decode",
     "encode",
     "host_store",
+    "sharded_allreduce",
 ]
 
 

@@ -205,6 +205,7 @@ class Pending:
     step: int
     apply_at: int
     snapshot: torch.Tensor | None = None  # the leader's parameters when the round started
+    params: torch.Tensor | None = None  # p2p: the round's new outer parameters, set by its thread
     thread: threading.Thread | None = None
     record: RoundRecord | None = None
     error: BaseException | None = None

@@ -19,13 +19,16 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from geoshard.env import read_environment
 from geoshard.errors import ConfigError
 from geoshard.trainer.config import TrainConfig, parse_host_port
 from geoshard.trainer.context import RankContext
 from geoshard.trainer.diloco.auth import Refused, read_secret
+from geoshard.trainer.diloco.groups import LOOPBACK, Bind
 from geoshard.trainer.diloco.kv import connect_store
 from geoshard.trainer.diloco.rank import DiLoCo
 from geoshard.trainer.diloco.record import RoundRecord, append, rounds_path
+from geoshard.trainer.diloco.ring import ring_order
 from geoshard.trainer.diloco.settings import OuterSync
 
 log = logging.getLogger(__name__)
@@ -42,7 +45,24 @@ def outer_settings(cfg: TrainConfig) -> OuterSync:
         round_timeout_s=cfg.outer_timeout,
         join_timeout_s=max(300.0, cfg.outer_timeout),
         overlap_steps=cfg.outer_overlap,
+        transport=cfg.outer_transport,
+        streams=cfg.outer_streams,
     )
+
+
+def p2p_placement(cfg: TrainConfig, regions: list[str]) -> tuple[Bind, tuple[str, ...]]:
+    """Where this rank's exchange sockets bind (GLOO_SOCKET_IFNAME's interface, which the launcher
+    sets: lo, or the region's interface under the WAN rehearsal; else 127.0.0.1), and the ring
+    order (from ``--outer-wan``'s bandwidths, else the job's)."""
+    ifname = read_environment().gloo_ifname
+    bind = Bind(interface=ifname) if ifname else LOOPBACK
+    links = None
+    if cfg.outer_wan:
+        from geoshard.wan.matrix import load_matrix
+
+        matrix = load_matrix(cfg.outer_wan)
+        links = {lk.pair: (lk.bytes_per_s, lk.latency_ms) for lk in matrix.links}
+    return bind, ring_order(regions, links)
 
 
 class OuterLoop:
@@ -58,9 +78,17 @@ class OuterLoop:
         self.leader = ctx.group_rank == 0
         regions = [r.region for r in cfg.job_regions]
         secret = read_secret(cfg.outer_secret_file)
-        self.diloco = DiLoCo(model, outer_settings(cfg), ctx.region, regions, group=group, secret=secret)
+        sync = outer_settings(cfg)
+        p2p = sync.transport == "p2p"
+        if p2p:
+            bind, ring = p2p_placement(cfg, regions)
+            ranks = [r.nproc for r in cfg.job_regions]
+            self.diloco = DiLoCo(model, sync, ctx.region, regions, group=group, secret=secret, ranks=ranks, bind=bind, ring=ring)
+        else:
+            self.diloco = DiLoCo(model, sync, ctx.region, regions, group=group, secret=secret)
         host, port = parse_host_port(cfg.outer_store, "--outer-store")
-        self.store = connect_store(host, port, timeout_s=cfg.outer_timeout) if self.leader else None
+        # p2p: every rank meets its peers' groups through the store (their rendezvous keys)
+        self.store = connect_store(host, port, timeout_s=cfg.outer_timeout) if self.leader or p2p else None
         self.path = rounds_path(cfg.out, ctx.region)
         self.job = cfg.outer_store  # one launch of the job: round numbers start again when a whole job is resumed
         self.last_round_step = 0

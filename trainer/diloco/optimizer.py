@@ -64,6 +64,13 @@ class OuterOptimizer:
         if momentum is not None:
             self._opt.state[self._outer]["momentum_buffer"] = momentum.clone()
 
+    def momentum(self) -> torch.Tensor | None:
+        """The outer momentum buffer (None before the first step, or without momentum)."""
+        if self._opt is None:
+            return None
+        buf = self._opt.state.get(self.params, {}).get("momentum_buffer")
+        return None if buf is None else buf
+
     def step(self, mean: torch.Tensor) -> None:
         """One outer step with the regions' mean pseudo-gradient."""
         assert self._opt is not None

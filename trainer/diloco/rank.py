@@ -1,6 +1,8 @@
-"""``DiLoCo``: one per rank. The region leader (in-region rank 0) keeps the outer optimizer and
-runs the exchange through the store; every rank of the region takes the new parameters by
-broadcast in the region's own process group."""
+"""``DiLoCo``: one per rank. With the store transport the region leader (in-region rank 0) keeps
+the outer optimizer and runs the exchange through the store; every rank of the region takes the
+new parameters by broadcast in the region's own process group. With the peer-to-peer transport
+(``OuterSync.transport == "p2p"``) every rank keeps its shards of the outer state and runs the
+exchange (``p2p``) over gloo groups of its own; the store carries membership and rendezvous only."""
 
 from __future__ import annotations
 
@@ -20,8 +22,11 @@ from geoshard.trainer.diloco.auth import Refused, Signer
 from geoshard.trainer.diloco.checks import Bounds
 from geoshard.trainer.diloco.codec import ErrorFeedback, NonFinite, codec, unusable
 from geoshard.trainer.diloco.exchange import Exchange, Pending
+from geoshard.trainer.diloco.groups import LOOPBACK, Bind, CountingStore
 from geoshard.trainer.diloco.kv import KV, OuterSyncError, Store
+from geoshard.trainer.diloco.membership import last_round
 from geoshard.trainer.diloco.optimizer import OuterOptimizer, latest, wait_latest
+from geoshard.trainer.diloco.p2p import Corrupt, P2PExchange
 from geoshard.trainer.diloco.record import JoinRecord, RoundRecord
 from geoshard.trainer.diloco.settings import OuterSync
 
@@ -33,6 +38,9 @@ class DiLoCo:
     optimizer step: every ``outer_steps`` steps it runs a round and returns its ``RoundRecord``.
     ``group`` is the region's own process group (``None`` for a one-rank region); ``secret`` is the
     job's (``auth``): every value in the store is signed with it, and one that is not is refused.
+    With ``sync.transport == "p2p"``, every rank passes the store to ``join``, and ``ranks`` gives
+    each job region's rank count (job order), ``bind`` where this rank's gloo sockets listen, and
+    ``ring`` the regions' ring order (default: the job's).
     """
 
     def __init__(
@@ -45,6 +53,10 @@ class DiLoCo:
         prefix: str = "diloco",
         *,
         secret: bytes,
+        ranks: Sequence[int] | None = None,
+        bind: Bind = LOOPBACK,
+        ring: Sequence[str] | None = None,
+        corrupt: Corrupt | None = None,
     ) -> None:
         bad = [g for g in regions if not g or "," in g or "/" in g]
         if bad or len(set(regions)) != len(regions):
@@ -68,6 +80,11 @@ class DiLoCo:
         self._exchange: Exchange | None = None  # the leader's, from join on
         self._pending: Pending | None = None  # the round in flight (overlap_steps > 0)
         self._step = 0  # the last inner step maybe_sync saw
+        self._p2p: P2PExchange | None = None  # every rank's, from join on (transport p2p)
+        self._rejoined = False  # p2p: the leader joined a job that had rounds: the state comes in the next round
+        self._p2p_args = (tuple(ranks or ()), bind, tuple(ring or regions), corrupt)
+        if sync.transport == "p2p" and len(self._p2p_args[0]) != len(self.regions):
+            raise ConfigError(f"DiLoCo p2p: give the rank count of each of the job's {len(self.regions)} regions (ranks=...)")
 
     @property
     def outer(self) -> torch.Tensor:
@@ -137,21 +154,60 @@ class DiLoCo:
         """Start from the newest published outer state (a region restarting: live recovery), or, in a
         fresh job, the first region publishes its own parameters as round 0 and the others take them."""
         rec: JoinRecord | None = None
+        p2p = self.sync.transport == "p2p"
+        if p2p and store is not None:
+            store = CountingStore(store)
+        if (self.is_leader or p2p) and store is None:
+            raise ConfigError("DiLoCo.join: the region leader (every rank with transport p2p) needs the outer store")
         if self.is_leader:
-            if store is None:
-                raise ConfigError("DiLoCo.join: the region leader needs the outer store")
+            assert store is not None
             rec = self._join_store(store)
             log.info("DiLoCo: region %s starts from outer round %d (step %d)", self.region, rec.round, rec.step)
         rec = self._in_region(rec)
         assert rec is not None
         self.round = rec.round + 1
+        if p2p:
+            assert isinstance(store, CountingStore)
+            self._join_p2p(store)
         return rec
+
+    def _join_p2p(self, store: CountingStore) -> None:
+        """Every rank: its shards of the outer state (parameters in place since ``join``; momentum
+        from the leader) and its exchange, whose region group meets under a token of this join."""
+        ranks, bind, ring, corrupt = self._p2p_args
+        flat = self._flat()
+        mom = self._opt.momentum() if self.is_leader and self._opt.momentum() is not None else None
+        token = time.time_ns() if self.is_leader else 0
+        box = [(token, mom is not None, self._rejoined)]
+        if self.group is not None:
+            dist.broadcast_object_list(box, group=self.group, group_src=0)
+        token, has_mom, rejoined = box[0]
+        if has_mom:
+            mom = mom if self.is_leader else torch.empty_like(flat)
+            assert mom is not None
+            if self.group is not None:
+                dist.broadcast(mom, group=self.group, group_src=0)
+        rank = 0 if self.group is None else dist.get_rank(self.group)
+        kv = KV(store, self.prefix, self._signer)
+        opt = OuterOptimizer(self.sync, self._opt.bounds)
+        job = tuple(zip(self.regions, ranks, strict=True))
+        self._p2p = P2PExchange(store, kv, self.sync, self.region, job, ring, rank, bind, flat.numel(), opt, str(token), corrupt)
+        opt.reset(self._p2p.own(flat), None if mom is None else self._p2p.own(mom))
+        self._p2p.fresh = rejoined
 
     def _join_store(self, store: Store) -> JoinRecord:
         """The leader's part of ``join``."""
         self.store = store
         kv = KV(store, self.prefix, self._signer)
         ex = self._exchange = Exchange(kv, self.sync, self.region, self.regions, self._opt, self.params[0].device)
+        if self.sync.transport == "p2p" and (last := last_round(kv)) > 0:
+            # Rounds went on peer to peer since round 0: the state comes from a live region's owners in
+            # this region's first round (``P2PExchange.fresh``), never through the store.
+            self._check_contract(kv)
+            self._opt.reset(self._flat(), None)
+            self._rejoined = True
+            ex.roster.announce(self.region, last + 1)
+            return JoinRecord(last, 0, False, 0, refused=ex.refused())
         newest = latest(kv)
         if newest is None and self.region == self.regions[0] and store.add(kv.key("created"), 1) == 1:
             self._opt.reset(self._flat(), None)
@@ -206,6 +262,11 @@ class DiLoCo:
     def sync_now(self, step: int) -> RoundRecord:
         """Collective in the region: one outer round."""
         t0 = time.perf_counter()
+        if self._p2p is not None:
+            done, full = self._p2p.run(self.round, step, self._flat(), t0)
+            self._load_flat(full)
+            self.round = done.round + 1
+            return dataclasses.replace(done, exchange_s=done.sync_s, applied_step=step)
         rec: RoundRecord | None = None
         if self.is_leader:
             payload = self._encode(self.outer - self._flat())
@@ -223,7 +284,17 @@ class DiLoCo:
         """The leader starts the round's exchange in a thread; training goes on meanwhile."""
         t0 = time.perf_counter()
         pending = Pending(step, step + self.sync.overlap_steps)
-        if self.is_leader:
+        if self._p2p is not None:
+            # Every rank runs the exchange in a thread, on its own groups; training never touches them.
+            pending.snapshot = self._flat()
+            p2p, r, snap = self._p2p, self.round, pending.snapshot
+
+            def work() -> RoundRecord:
+                rec, pending.params = p2p.run(r, step, snap, time.perf_counter())
+                return rec
+
+            pending.run_behind(work, f"diloco-round-{r}")
+        elif self.is_leader:
             pending.snapshot = self._flat()
             payload = self._encode(self.outer - pending.snapshot)
             ex, r = self._leader(), self.round
@@ -240,6 +311,13 @@ class DiLoCo:
         if pending is None:
             return None
         t0 = time.perf_counter()
+        if self._p2p is not None:
+            done = pending.result()
+            assert pending.params is not None and pending.snapshot is not None
+            self._load_flat(pending.params + (self._flat() - pending.snapshot))
+            self.round = done.round + 1
+            waited = pending.blocked_s + time.perf_counter() - t0
+            return dataclasses.replace(done, exchange_s=done.sync_s, sync_s=waited, applied_step=self._step)
         rec: RoundRecord | None = None
         params = None
         if self.is_leader:
@@ -256,5 +334,7 @@ class DiLoCo:
 
     def leave(self) -> None:
         """The region finished its steps: the others stop waiting for it from their next round on."""
-        if self.is_leader and self._exchange is not None:
+        if self.is_leader and self._p2p is not None:
+            self._p2p.membership.roster.leave(self.region)
+        elif self.is_leader and self._exchange is not None:
             self._exchange.roster.leave(self.region)

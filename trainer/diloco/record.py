@@ -47,6 +47,9 @@ class RoundRecord:
     # Written only when there are any (lines stay as they were otherwise):
     refused: int = 0  # values this leader refused from the store (unsigned, malformed, non-finite) since its last line
     left_out: tuple[tuple[str, str], ...] = ()  # (region, why): members whose pseudo-gradient the round left out
+    # Written by the peer-to-peer transport only (lines of the store transport stay as they were):
+    transport: str = ""  # "p2p": pseudo-gradients over gloo between the regions' ranks
+    store_bytes: int = 0  # bytes this rank's store client carried for the round (membership, rendezvous, MACs)
     version: int = VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -57,6 +60,9 @@ class RoundRecord:
             doc["refused"] = self.refused
         if self.left_out:
             doc["left_out"] = dict(self.left_out)
+        if self.transport:
+            doc["transport"] = self.transport
+            doc["store_bytes"] = self.store_bytes
         return doc
 
     @classmethod
@@ -90,6 +96,8 @@ class RoundRecord:
             created=bool(doc.get("created")),
             refused=_count(doc, "refused"),
             left_out=_left_out(doc.get("left_out")),
+            transport=str(doc.get("transport", "")),
+            store_bytes=_count(doc, "store_bytes"),
             version=version,
         )
 

@@ -72,11 +72,12 @@ class Roster:
         members = tuple(g for g in self.regions if g in expected and present(g))
         for g in expected:
             if g not in members:  # lost, or too slow
-                self._mark_lost(g, entries[g])
+                self.mark_lost(g, entries[g])
         self.kv.set(self.members_key(r), ",".join(members))  # last: a late region re-announces only after this
         return members
 
-    def _mark_lost(self, region: str, seen: str) -> None:
+    def mark_lost(self, region: str, seen: str) -> None:
+        """``region`` was waited for in vain: ``-1``, unless its entry changed from ``seen`` meanwhile."""
         key = self._key(region)
         compare_set = getattr(self.kv.store, "compare_set", None)
         if compare_set is None:

@@ -11,6 +11,10 @@ from geoshard.errors import ConfigError
 from geoshard.trainer.diloco.codec import CODECS, codec
 
 COMPRESSIONS = tuple(CODECS)  # the codecs (codec.py): fp16 bf16 none int8 fp8
+# The codecs an all-reduce can sum on the wire (the p2p transport), as the dtype it sums in.
+SUMMABLE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": torch.float32}
+TRANSPORTS = ("store", "p2p")
+MAX_STREAMS = 64
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,10 @@ class OuterSync:
     # the round starts at step nH, training goes on, and at step nH + k the region takes the new
     # outer parameters plus what it learnt in those k steps (Streaming DiLoCo's overlap, arXiv 2501.18512).
     overlap_steps: int = 0
+    # How pseudo-gradients travel: "store" (each leader through the outer store) or "p2p" (gloo
+    # between the regions' ranks, sharded over every rank; the store for membership only).
+    transport: str = "store"
+    streams: int = 4  # p2p: concurrent all-reduces (TCP streams) per shard and pair of peers
 
     def __post_init__(self) -> None:
         if self.outer_steps < 1:
@@ -39,6 +47,15 @@ class OuterSync:
             raise ConfigError(f"outer compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
         if self.round_timeout_s <= 0 or self.join_timeout_s <= 0:
             raise ConfigError("round_timeout_s and join_timeout_s must be above 0")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"outer transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.transport == "p2p" and self.compression not in SUMMABLE_DTYPES:
+            raise ConfigError(
+                f"outer compression {self.compression} cannot be summed by the p2p transport's all-reduce: "
+                f"use one of {', '.join(SUMMABLE_DTYPES)}, or --outer-transport store"
+            )
+        if not 1 <= self.streams <= MAX_STREAMS:
+            raise ConfigError(f"outer streams must be 1 to {MAX_STREAMS}, got {self.streams}")
         if not 0 <= self.overlap_steps < self.outer_steps:
             raise ConfigError(f"overlap_steps must be at least 0 and below outer_steps ({self.outer_steps}), got {self.overlap_steps}")
 

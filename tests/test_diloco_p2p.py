@@ -1,0 +1,283 @@
+"""DiLoCo's peer-to-peer outer exchange (trainer/diloco/: shards, ring, groups, sharded, mac, p2p):
+bulk bytes over gloo between the regions' ranks, sharded over every rank, the store for
+membership and rendezvous only. Real processes on 127.0.0.1 around a TCPStore this test hosts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from geoshard.trainer.diloco import host_store
+from geoshard.trainer.diloco.ring import ring_order
+from geoshard.trainer.diloco.shards import Layout, owned, shard_count, span
+from geoshard.wan.matrix import parse_matrix
+
+ROOT = Path(__file__).resolve().parent.parent
+RANK_JOB = ROOT / "tests" / "jobs" / "p2p_rank.py"
+
+
+def test_every_shard_has_exactly_one_owner_in_every_region_also_with_unequal_rank_counts() -> None:
+    ranks = {"us-east-1": 3, "eu-west-1": 2, "ap-southeast-1": 1}
+    s = shard_count(list(ranks.values()))
+    assert s == 3
+    assert owned(0, 2, s) == (0, 2) and owned(1, 2, s) == (1,) and owned(0, 1, s) == (0, 1, 2)
+    for n in ranks.values():
+        mine = [sh for k in range(n) for sh in owned(k, n, s)]
+        assert sorted(mine) == list(range(s))  # each shard once per region
+    numel = 10
+    spans = [span(numel, s, i) for i in range(s)]
+    assert spans == [(0, 4), (4, 7), (7, 10)]  # contiguous, cover the vector, sizes differ by at most one
+    assert Layout(numel, s, 2, 0).own_numel == 7 and Layout(numel, s, 2, 1).own_numel == 3
+    assert sum(Layout(numel, s, 3, k).own_numel for k in range(3)) == numel
+
+
+MATRIX = """
+[[link]]
+a = "us-east-1"
+b = "eu-west-1"
+latency_ms = 38
+bandwidth_mbit = 200
+[[link]]
+a = "us-east-1"
+b = "ap-southeast-1"
+latency_ms = 110
+bandwidth_mbit = 100
+[[link]]
+a = "us-east-1"
+b = "sa-east-1"
+latency_ms = 60
+bandwidth_mbit = 400
+[[link]]
+a = "eu-west-1"
+b = "ap-southeast-1"
+latency_ms = 85
+bandwidth_mbit = 400
+[[link]]
+a = "eu-west-1"
+b = "sa-east-1"
+latency_ms = 90
+bandwidth_mbit = 20
+[[link]]
+a = "ap-southeast-1"
+b = "sa-east-1"
+latency_ms = 150
+bandwidth_mbit = 300
+"""
+
+
+def test_the_ring_order_avoids_the_narrow_link_and_breaks_ties_by_latency() -> None:
+    m = parse_matrix(MATRIX)
+    links = {lk.pair: (lk.bytes_per_s, lk.latency_ms) for lk in m.links}
+    regions = ("us-east-1", "eu-west-1", "ap-southeast-1", "sa-east-1")
+    # Rings from us-east-1 (either direction): us-eu-ap-sa has links of 200/400/300/400 Mbit/s; both
+    # others cross eu-west-1 - sa-east-1 (20 Mbit/s).
+    assert ring_order(regions, links) == ("us-east-1", "eu-west-1", "ap-southeast-1", "sa-east-1")
+    # Every ring's slowest link at 200 Mbit/s: the least total latency wins (us-ap-eu-sa: 345 ms
+    # against 433 and 488), in its lexically first direction.
+    even = dict(links)
+    even[frozenset(("eu-west-1", "sa-east-1"))] = (200e6 / 8, 90.0)
+    even[frozenset(("us-east-1", "ap-southeast-1"))] = (200e6 / 8, 110.0)
+    even[frozenset(("ap-southeast-1", "sa-east-1"))] = (300e6 / 8, 250.0)
+    assert ring_order(regions, even) == ("us-east-1", "ap-southeast-1", "eu-west-1", "sa-east-1")
+    assert ring_order(regions, None) == regions  # no matrix: the job's order
+    assert ring_order(regions[:3], links) == regions[:3]  # three regions make one ring either way
+
+
+def run_ranks(mode: str, members: str, out: Path, compression: str = "none", timeout: float = 120) -> dict[str, dict[str, float]]:
+    """Every rank of every region of ``members`` as its own process; their JSON results by region-rank."""
+    store = host_store("127.0.0.1", timeout_s=60)
+    procs = []
+    for spec in members.split(","):
+        region, n = spec.split(":")
+        for k in range(int(n)):
+            argv = [sys.executable, "-P", str(RANK_JOB), mode, region, str(k), str(store.port), members, compression, str(out)]
+            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+            assert p.returncode == 0, "\n".join(outputs)[-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return {f.stem: json.loads(f.read_text()) for f in out.glob("*.json")}
+
+
+@pytest.mark.parametrize(
+    "members",
+    ["us-east-1:2,eu-west-1:3", "us-east-1:1,eu-west-1:2,ap-southeast-1:3"],
+)
+def test_the_sharded_exchange_equals_a_plain_all_reduce_to_fp32_rounding(members: str, tmp_path: Path) -> None:
+    results = run_ranks("sum", members, tmp_path)
+    ranks = {g: int(n) for g, n in (x.split(":") for x in members.split(","))}
+    assert sorted(results) == sorted(f"{g}-{k}" for g, n in ranks.items() for k in range(n))
+    m = len(ranks)
+    u = 2.0**-24
+    for name, doc in results.items():
+        assert doc["numel"] == 100_003
+        # fp32 sums of m values: each element within (m-1) u sum |x| of the exact sum, and so is the reference
+        assert doc["max_rel_to_bound"] <= 2 * (m - 1) * u * 1.01, (name, doc)
+        assert doc["max_abs"] < 1e-5, (name, doc)
+        assert doc["sent"] > 0
+        # the store carried the groups' rendezvous only: far less than one shard (100,003 fp32 values = 400 kB)
+        assert doc["store_bytes"] < 20_000, (name, doc)
+
+
+def test_a_compressed_exchange_sums_within_the_dtypes_rounding(tmp_path: Path) -> None:
+    results = run_ranks("sum", "us-east-1:1,eu-west-1:2,ap-southeast-1:2", tmp_path, compression="fp16")
+    for name, doc in results.items():
+        # fp16: each value rounded once (u = 2^-11), two sums rounded, the fp32 reference's own rounding
+        assert 0 < doc["max_rel_to_bound"] <= 3 * 2.0**-11 + 4 * 2.0**-24, (name, doc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [0, 4])
+def test_geoshard_train_with_the_p2p_transport_trains_and_keeps_bulk_bytes_out_of_the_store(overlap: int, tmp_path: Path) -> None:
+    from test_diloco_train import EU, US, local_plan, train_argv
+
+    plan = local_plan(tmp_path, {US: 2, EU: 1}, samples=3000)
+    out = tmp_path / "run"
+    steps, h = 60, 10
+    extra = ("--outer-transport", "p2p", "--outer-streams", 3, "--outer-overlap", overlap)
+    argv = train_argv(plan, out, f"{US}:1,{EU}:2", "--steps", steps, "--outer-steps", h, "--lr", 0.05, "--hidden", 256, *extra)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=500, cwd=tmp_path, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stderr.strip() == "", done.stderr[-3000:]  # no warning: no round missed, refused or failed
+    stdout = done.stdout.splitlines()
+    for region, n in ((US, 1), (EU, 2)):
+        start = (
+            f"geoshard.trainer: {region}: {n} of the job's 3 rank(s); DDP in the region, DiLoCo across {US}:1,{EU}:2 "
+            f"every {h} steps (outer lr 0.7, momentum 0.9, Nesterov, fp16; peer to peer, sharded over every rank, 3 streams)"
+        )
+        assert start in stdout, stdout[:10]
+    report = json.loads((out / "report.json").read_text())
+    assert report["sync"] == "diloco" and report["world_size"] == 3 and report["complete"]
+    assert report["loss_last"] < report["loss_first"] - 0.05, (report["loss_first"], report["loss_last"])
+    outer = report["outer"]
+    assert [r["round"] for r in outer["rounds"]] == list(range(1, steps // h + 1))
+    for r in outer["rounds"]:
+        assert r["regions"] == [US, EU] and r["missing"] == [], r
+    assert outer["regions"][US] == outer["regions"][EU] == {"rounds": 6, "rounds_missed": 0, "adopted": 0, "joins": 1, "steps_lost": 0}
+    assert report["cross_region_grad_bytes"] == 0 and report["cross_region_data_bytes"] == 0
+    for region in (US, EU):
+        recs = [json.loads(x) for x in (out / f"rounds-{region}.jsonl").read_text().splitlines()]
+        rounds = [x for x in recs if x["event"] == "round"]
+        assert [x["round"] for x in rounds] == list(range(1, 7))
+        for x in rounds:
+            assert x["transport"] == "p2p" and not x["adopted"] and x["missing"] == [] and "left_out" not in x
+            # membership, rendezvous and MAC keys only: far below one pseudo-gradient
+            assert 0 < x["store_bytes"] < 100_000, x
+            assert x["applied_step"] == min(x["step"] + overlap, steps)  # the last round is taken at the end
+
+
+def start_ranks(mode: str, members: str, out: Path, port: int, compression: str = "fp16") -> list[subprocess.Popen[str]]:
+    key = out / "secret"
+    if not key.exists():
+        key.touch(mode=0o600)
+        key.write_bytes(b"s" * 32)
+    procs = []
+    for spec in members.split(","):
+        region, n = spec.split(":")
+        region_port = _free_port()
+        for k in range(int(n)):
+            argv = [sys.executable, "-P", str(RANK_JOB), mode, region, str(k), str(port), members, compression, str(out), str(region_port)]
+            with (out / f"{region}-{k}.log").open("w") as log:  # the child keeps its own descriptor
+                procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def records(out: Path, name: str) -> list[dict[str, object]]:
+    return [json.loads(x) for x in (out / f"{name}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_contribution_changed_after_its_projections_were_published_is_refused_by_the_mac(tmp_path: Path) -> None:
+    store = host_store("127.0.0.1", timeout_s=60)
+    members = "us-east-1:1,eu-west-1:2"
+    procs = start_ranks("mac", members, tmp_path, store.port)
+    for p in procs:
+        assert p.wait(timeout=300) == 0, "\n".join(f.read_text()[-3000:] for f in tmp_path.glob("*.log"))
+    logs = {f.stem: f.read_text() for f in tmp_path.glob("*.log")}
+    for name in ("us-east-1-0", "eu-west-1-0", "eu-west-1-1"):
+        recs = records(tmp_path, name)
+        region = name.rsplit("-", 1)[0]
+        assert [r["round"] for r in recs] == [1, 2, 3]
+        assert all(r["regions"] == ["us-east-1", "eu-west-1"] and r["transport"] == "p2p" for r in recs)
+        assert "left_out" not in recs[0] and "left_out" not in recs[2], name
+        why = recs[1]["left_out"][region]
+        # shard 0 is the one eu-west-1's rank 0 owns and changed; every region took the same decision
+        assert why.startswith("shard 0: unauthenticated: its projection") or why == "another rank of the region refused a shard's sum", why
+        warned = [line for line in logs[name].splitlines() if "refuses outer round" in line]
+        line = f"DiLoCo: region {region} refuses outer round 2 ({why}); it keeps its own parameters for it"
+        assert warned == [f"WARNING geoshard.trainer.diloco.p2p: {line}"]
+        assert "Traceback" not in logs[name]
+    assert records(tmp_path, "us-east-1-0")[1]["refused"] == 1
+
+
+@pytest.mark.slow
+def test_a_region_killed_mid_exchange_is_dropped_within_the_bound_and_the_others_finish(tmp_path: Path) -> None:
+    from geoshard.trainer.diloco.membership import REDO_WAIT_S
+
+    store = host_store("127.0.0.1", timeout_s=60)
+    members = "us-east-1:1,eu-west-1:2,ap-southeast-1:1"
+    procs = start_ranks("kill", members, tmp_path, store.port)
+    codes = [p.wait(timeout=300) for p in procs]
+    assert codes == [0, 0, 0, -9], "\n".join(f.read_text()[-3000:] for f in tmp_path.glob("*.log"))
+    killed_at = float((tmp_path / "killed-ap-southeast-1-0").read_text())
+    for name in ("us-east-1-0", "eu-west-1-0", "eu-west-1-1"):
+        recs = records(tmp_path, name)
+        assert [r["round"] for r in recs] == [1, 2, 3, 4]
+        assert recs[0]["regions"] == ["us-east-1", "eu-west-1", "ap-southeast-1"]
+        for r in recs[1:]:
+            assert r["regions"] == ["us-east-1", "eu-west-1"] and r["missing"] == ["ap-southeast-1"] and "left_out" not in r, r
+        # round 2 redone without it: its sockets closed, gloo raised at once, the redo waited REDO_WAIT_S for it
+        assert recs[1]["time"] - killed_at < 10.0, recs[1]["time"] - killed_at
+        # round 3 does not wait for it (its roster entry is -1)
+        assert recs[2]["exchange_s"] < REDO_WAIT_S, recs[2]
+    assert (tmp_path / "ap-southeast-1-0.jsonl").read_text().count("\n") == 1
+
+
+@pytest.mark.slow
+def test_a_region_that_rejoins_gets_the_outer_state_peer_to_peer_and_the_store_carries_under_1_mb_a_round(tmp_path: Path) -> None:
+    store = host_store("127.0.0.1", timeout_s=60)
+    members = "us-east-1:1,eu-west-1:2,ap-southeast-1:1"
+    procs = start_ranks("rejoin", members, tmp_path, store.port)
+    ap = procs[-1]
+    assert ap.wait(timeout=300) == -9, "\n".join(f.read_text()[-3000:] for f in tmp_path.glob("*.log"))
+    (tmp_path / "ap-southeast-1-0.log").rename(tmp_path / "ap-southeast-1-0.first")
+    argv = [*ap.args, "again"]  # type: ignore[misc]
+    with (tmp_path / "ap-southeast-1-0.log").open("w") as log:
+        again = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
+    codes = [p.wait(timeout=300) for p in (*procs[:-1], again)]
+    assert codes == [0, 0, 0, 0], "\n".join(f.read_text()[-3000:] for f in tmp_path.glob("*.log"))
+    ap_recs = records(tmp_path, "ap-southeast-1-0")
+    assert ap_recs[0]["round"] == 1  # before the kill
+    # back: it may sit out a round it came too late for (keeping its own parameters), then takes the
+    # state in the first round it is a member of
+    late = [r for r in ap_recs[1:] if "ap-southeast-1" not in r["regions"]]
+    back = ap_recs[1 + len(late) :]
+    assert all(not r["adopted"] for r in late) and len(late) <= 1, late
+    assert back and back[0]["adopted"] and "ap-southeast-1" in back[0]["regions"], back[:1]
+    us = {r["round"]: r for r in records(tmp_path, "us-east-1-0")}
+    assert sorted(us) == list(range(1, 11))
+    for r in back:  # from the round it took the state on, it holds the same parameters as the others
+        assert r["digest"] == us[r["round"]]["digest"], (r, us[r["round"]])
+        assert r["regions"] == ["us-east-1", "eu-west-1", "ap-southeast-1"]
+    assert not any(r["adopted"] for r in back[1:])
+    for name in ("us-east-1-0", "eu-west-1-0", "eu-west-1-1", "ap-southeast-1-0"):
+        for r in records(tmp_path, name):
+            assert r["store_bytes"] < 1_000_000, (name, r)  # the 2.6 MB state never went through it
+    assert max(r["store_bytes"] for r in records(tmp_path, "us-east-1-0")) < 100_000

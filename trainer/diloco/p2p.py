@@ -1,0 +1,250 @@
+"""One outer round over the peer-to-peer transport, on every rank of a region.
+
+The leader learns the round's members through the store (``membership``) and hands them to its
+region's ranks (the exchange's own region group). Each rank then, for every shard it owns
+(``shards``): takes its pseudo-gradient (outer shard minus the current parameters there), casts it
+to the compression's dtype, publishes its MAC projections signed in the store (``mac``), sums it
+with the other members' owners of that shard over gloo (``sharded``, ``streams`` chunks at once,
+ring order), checks the sum against the published projections, and — when every rank of the region
+found every shard sound (one flag all-reduced in the region) — divides by the members and takes the
+outer Nesterov step on the shard. Then the region all-gathers the shards: every rank holds the new
+parameters. A region that sits a round out (late) or refuses a sum keeps its own parameters for
+that round. An exchange that fails (a peer lost mid-round: gloo raises, or its timeout passes) is
+redone among the survivors as the round's next attempt (``membership``), up to ``MAX_ATTEMPTS``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch.distributed import BroadcastOptions
+
+from geoshard.trainer.diloco import mac
+from geoshard.trainer.diloco.auth import Refused
+from geoshard.trainer.diloco.groups import Bind, CountingStore, GroupCache, gloo_group
+from geoshard.trainer.diloco.kv import KV
+from geoshard.trainer.diloco.membership import MAX_ATTEMPTS, Decision, Membership
+from geoshard.trainer.diloco.optimizer import OuterOptimizer
+from geoshard.trainer.diloco.record import RoundRecord
+from geoshard.trainer.diloco.ring import restrict
+from geoshard.trainer.diloco.settings import SUMMABLE_DTYPES, OuterSync
+from geoshard.trainer.diloco.sharded import Membership as Ring
+from geoshard.trainer.diloco.sharded import ShardGroups, allreduce_shards, gather_in_region, region_max
+from geoshard.trainer.diloco.shards import Layout, shard_count
+
+log = logging.getLogger(__name__)
+
+Corrupt = Callable[[int, int, torch.Tensor], None]  # (round, shard, contribution): tests only
+OK, REFUSED, FAILED = 0, 1, 2  # an attempt's outcome on a rank; the region takes the worst
+
+
+class P2PExchange:
+    """A rank's side of the peer-to-peer rounds: its shards of the outer state, its groups."""
+
+    def __init__(
+        self,
+        store: CountingStore,
+        kv: KV,
+        sync: OuterSync,
+        region: str,
+        job: Sequence[tuple[str, int]],
+        ring: Sequence[str],
+        k: int,
+        bind: Bind,
+        numel: int,
+        opt: OuterOptimizer,
+        token: str,
+        corrupt: Corrupt | None = None,
+    ) -> None:
+        self.store, self.kv, self.sync, self.region, self.bind = store, kv, sync, region, bind
+        self.job, self.ring = dict(job), tuple(ring)
+        self.layout = Layout(numel, shard_count(list(self.job.values())), self.job[region], k)
+        self.opt, self.corrupt = opt, corrupt
+        self.membership = Membership(kv, tuple(self.job), region, sync.round_timeout_s, self.layout.shards)
+        self.cache = GroupCache()
+        self.region_group: Any = None
+        if self.layout.n > 1:  # its own group: the training thread's never carries the exchange
+            wait_s = 2 * sync.round_timeout_s + 60  # non-leaders wait here while the leader waits on the store
+            self.region_group = gloo_group(store, kv.key("pg", "region", region, token) + "/", k, self.layout.n, bind, wait_s)
+        self.fresh = False  # rejoined: its next round contributes nothing and receives the outer state
+
+    # -- the outer shards -------------------------------------------------------------------------
+    def own(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shards of a full flat vector, concatenated."""
+        return torch.cat([flat[slice(*self.layout.span(s))] for s in self.layout.mine])
+
+    def _pieces(self, own: torch.Tensor) -> dict[int, torch.Tensor]:
+        out, i = {}, 0
+        for s in self.layout.mine:
+            a, b = self.layout.span(s)
+            out[s] = own[i : i + b - a]
+            i += b - a
+        return out
+
+    # -- one round ----------------------------------------------------------------------------------
+    def run(self, r: int, step: int, current: torch.Tensor, t0: float) -> tuple[RoundRecord, torch.Tensor]:
+        """Round ``r`` from this rank's current parameters (flat fp32): its record and the new full parameters."""
+        carried0, refused0 = self.store.carried, self.kv.signer.total()
+        sent, left_out, previous, adopted = 0, tuple[tuple[str, str], ...](), tuple[str, ...](), False
+        for attempt in range(MAX_ATTEMPTS):
+            d = self._decide(r, attempt, previous)
+            adopted = self.region in d.fresh
+            if not d.member:
+                log.warning("DiLoCo: region %s missed outer round %d; it keeps its own parameters for it", self.region, r)
+                self.opt.reset(self.own(current), self.opt.momentum())
+                if self.layout.k == 0:
+                    self.membership.roster.announce(self.region, r + 1)
+                break
+            n, code, why = self._member(r, attempt, d, current)
+            sent += n
+            if code == OK:
+                self.fresh = self.fresh and not adopted
+                break
+            if code == REFUSED or attempt == MAX_ATTEMPTS - 1:
+                self.opt.reset(self.own(current), self.opt.momentum())
+                left_out = ((self.region, why),)
+                log.warning("DiLoCo: region %s refuses outer round %d (%s); it keeps its own parameters for it", self.region, r, why)
+                break
+            log.warning("DiLoCo: outer round %d attempt %d among %s failed (%s); the others redo it", r, attempt, ", ".join(d.members), why)
+            previous = d.members
+        full, gathered = gather_in_region(self.region_group, self.layout, self._pieces(self.opt.params))
+        missing = tuple(g for g in self.job if g not in d.members and g not in d.gone)
+        rec = RoundRecord(r, step, d.members, missing, time.perf_counter() - t0, sent + gathered, 0, self.sync.compression)
+        refused = self.kv.signer.total() - refused0
+        adopted = adopted and not left_out
+        store_bytes = self.store.carried - carried0
+        return replace(rec, adopted=adopted, refused=refused, left_out=left_out, transport="p2p", store_bytes=store_bytes), full
+
+    def _decide(self, r: int, attempt: int, previous: tuple[str, ...]) -> Decision:
+        """The leader decides through the store; every rank of the region gets the same decision."""
+        d = self.membership.decide(r, attempt, previous, self.fresh) if self.layout.k == 0 else None
+        if self.region_group is None:
+            assert d is not None
+            return d
+        names = tuple(self.job)
+        t = torch.zeros(4 + len(names), dtype=torch.int64)
+        if d is not None:
+            a, _, b = d.name.partition(".")
+            t[0], t[1], t[2] = int(d.member), int(a), int(b)
+            for i, g in enumerate(names):
+                t[4 + i] = (3 if g in d.fresh else 1) if g in d.members else (2 if g in d.gone else 0)
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        self.region_group.broadcast([t], opts).wait()
+        members = tuple(g for i, g in enumerate(names) if t[4 + i] in (1, 3))
+        gone = frozenset(g for i, g in enumerate(names) if t[4 + i] == 2)
+        fresh = tuple(g for i, g in enumerate(names) if t[4 + i] == 3)
+        return Decision(members, f"{int(t[1])}.{int(t[2])}", bool(t[0]), gone, fresh)
+
+    def _member(self, r: int, attempt: int, d: Decision, current: torch.Tensor) -> tuple[int, int, str]:
+        """A member's attempt: bytes sent, OK / REFUSED (a sum failed its check) / FAILED (the
+        exchange raised), and why; every rank of the region ends with the same code."""
+        sent, code, why = 0, OK, ""
+        summed: dict[int, torch.Tensor] = {}
+        try:
+            sent, summed, why = self._sum(r, attempt, d, current)
+            code = REFUSED if why else OK
+        except RuntimeError as e:  # a peer lost mid-round: gloo raised, or its timeout passed
+            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            code, why = FAILED, f"the exchange failed: {first}"
+        worst = region_max(self.region_group, code)
+        if worst == FAILED:
+            self.cache.keep(lambda key: False)  # its groups may hold a dead peer: the next attempt makes new ones
+            if self.layout.k == 0:
+                self.membership.mark_failed(r, attempt)
+            return sent, FAILED, why or "another rank of the region lost a peer"
+        if worst == REFUSED:
+            return sent, REFUSED, why or "another rank of the region refused a shard's sum"
+        m = len(d.members) - len(d.fresh)  # a region that rejoined contributed nothing
+        self.opt.step(torch.cat([summed[s].float() / m for s in self.layout.mine]))
+        return sent, OK, ""
+
+    def _sum(self, r: int, attempt: int, d: Decision, current: torch.Tensor) -> tuple[int, dict[int, torch.Tensor], str]:
+        """Every owned shard summed over the members and checked: bytes sent, the sums, why not ('')."""
+        ring = Ring(tuple((g, self.job[g]) for g in restrict(self.ring, d.members)), f"m{d.name}")
+        self.cache.keep(lambda key: isinstance(key, tuple) and key[0] == ring.name)
+        timeout = self.sync.round_timeout_s
+        groups = ShardGroups(
+            self.store, self.kv.key("pg"), self.layout, ring, self.region, self.sync.streams, self.bind, timeout, self.cache
+        )
+        dtype = SUMMABLE_DTYPES[self.sync.compression]
+        values: dict[int, torch.Tensor] = {}
+        outer = self._pieces(self.opt.params)
+        tag = f"{r}/{attempt}/{d.name}"
+        for s in self.layout.mine:
+            a, b = self.layout.span(s)
+            values[s] = (outer[s] - current[a:b]).to(dtype)
+            if self.region in d.fresh:
+                values[s].zero_()  # its outer shards are not the job's: it takes theirs below
+            projections = mac.project(self.kv.signer, tag, s, values[s])
+            self.kv.set(self.mac_key(r, attempt, d.name, s, self.region), mac.encode_projections(projections))
+            if self.corrupt is not None:
+                self.corrupt(r, s, values[s])
+        summed, sent = allreduce_shards(groups, values)
+        why = self._check(r, attempt, d, summed)
+        if d.fresh:
+            sent += self._hand_over(groups, ring, d)
+        return sent, summed, why
+
+    def _hand_over(self, groups: ShardGroups, ring: Ring, d: Decision) -> int:
+        """Regions that rejoined get the outer state (fp32 parameters and momentum) from the first
+        member in ring order that did not, peer to peer: each owner broadcasts its shards, in the
+        streams' chunks, on the shard's groups, before the step (which every member then takes
+        alike). The bytes this rank sent."""
+        source = next(g for g, _ in ring.members if g not in d.fresh)
+        root = ring.index(source)
+        mom = self.opt.momentum()
+        state = {
+            s: (p.clone(), torch.zeros_like(p) if mom is None else mom[i : i + p.numel()].clone())
+            for s, p, i in self._owned(self.opt.params)
+        }
+        works, sent = [], 0
+        for s, (params, momentum) in state.items():
+            for c, (a, b) in enumerate(groups.pieces(s)):
+                opts = BroadcastOptions()
+                opts.rootRank = root
+                for t in (params[a:b], momentum[a:b]):
+                    works.append(groups.group(s, c).broadcast([t], opts))
+                    sent += (len(ring.members) - 1) * 4 * (b - a) if self.region == source else 0
+        for w in works:
+            w.wait()
+        if self.region in d.fresh:
+            params = torch.cat([state[s][0] for s in self.layout.mine])
+            momentum = torch.cat([state[s][1] for s in self.layout.mine])
+            self.opt.reset(params, momentum if self.sync.outer_momentum > 0 else None)
+        return sent
+
+    def _owned(self, own: torch.Tensor) -> list[tuple[int, torch.Tensor, int]]:
+        """(shard, its part of ``own``, its offset in ``own``) for each owned shard."""
+        out, i = [], 0
+        for s in self.layout.mine:
+            a, b = self.layout.span(s)
+            out.append((s, own[i : i + b - a], i))
+            i += b - a
+        return out
+
+    def mac_key(self, r: int, attempt: int, name: str, s: int, region: str) -> str:
+        return self.kv.key("r", r, attempt, "mac", name, s, region)
+
+    def _check(self, r: int, attempt: int, d: Decision, summed: dict[int, torch.Tensor]) -> str:
+        """Each owned shard's sum against the members' signed projections; why not, or ''."""
+        for s, t in summed.items():
+            keys = [self.mac_key(r, attempt, d.name, s, g) for g in d.members]
+            if not self.kv.wait_all(keys, self.sync.round_timeout_s):
+                return f"shard {s}: the members' projections did not arrive within {self.sync.round_timeout_s:g} s"
+            try:
+                published = []
+                for key, value in zip(keys, self.kv.open_many(keys), strict=True):
+                    if value is None:
+                        raise Refused("unauthenticated", f"{key} is not signed by the job")
+                    published.append(mac.decode_projections(value))
+                mac.check(self.kv.signer, f"{r}/{attempt}/{d.name}", s, t, published, self.sync.compression)
+            except Refused as e:
+                self.kv.signer.refuse(keys[d.members.index(self.region)], e, log_it=False)
+                return f"shard {s}: {e.kind}: {e.reason}"
+        return ""

@@ -1,0 +1,167 @@
+"""The sharded all-reduce of the peer-to-peer exchange: each rank all-reduces the shards it owns
+with the owners of the same shards in the other member regions (one gloo group per shard and
+stream), then the region's ranks all-gather the shards (the region's own group), so every rank
+ends with the whole vector.
+
+Each shard is cut into ``streams`` chunks, each all-reduced on a group of its own, all at once
+(``async_op``): several TCP connections per pair of peers, so one exchange is not held to what one
+TCP stream gets through a long fat link. The order of the ranks in each cross-region group is
+the ring's (``ring``). ``sharded_allreduce`` is the whole thing in one call, for benches; the
+trainer's exchange (``p2p``) runs the same steps around its checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed import AllreduceOptions, BroadcastOptions, ReduceOp
+
+from geoshard.trainer.diloco.groups import LOOPBACK, Bind, GroupCache, gloo_group
+from geoshard.trainer.diloco.settings import SUMMABLE_DTYPES
+from geoshard.trainer.diloco.shards import Layout, owner, shard_count
+
+DEFAULT_STREAMS = 4
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Who takes part in one exchange: (region, ranks) in ring order, and a name for its groups
+    (a new one whenever the membership changes, so stale peers never meet in a group)."""
+
+    members: tuple[tuple[str, int], ...]
+    name: str
+
+    def index(self, region: str) -> int:
+        return [g for g, _ in self.members].index(region)
+
+
+def chunks(a: int, b: int, streams: int) -> list[tuple[int, int]]:
+    """[a, b) in ``streams`` near-equal pieces (fewer when there are fewer values)."""
+    n = max(1, min(streams, b - a))
+    base, extra = divmod(b - a, n)
+    out, start = [], a
+    for i in range(n):
+        stop = start + base + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+class ShardGroups:
+    """One rank's groups for one membership: per owned shard and stream, a group with one rank
+    per member region (ring order); made on first use, kept in ``cache``."""
+
+    def __init__(
+        self,
+        store: object,
+        prefix: str,
+        layout: Layout,
+        mship: Membership,
+        region: str,
+        streams: int,
+        bind: Bind,
+        timeout_s: float,
+        cache: GroupCache,
+    ) -> None:
+        self.layout, self.mship, self.streams = layout, mship, streams
+        self._args = (store, prefix, mship.index(region), len(mship.members), bind, timeout_s)
+        self._cache = cache
+
+    def group(self, s: int, c: int) -> Any:
+        store, prefix, rank, size, bind, timeout_s = self._args
+        key = (self.mship.name, s, c)
+        return self._cache.get(key, lambda: gloo_group(store, f"{prefix}/x/{self.mship.name}/s{s}/c{c}/", rank, size, bind, timeout_s))
+
+    def pieces(self, s: int) -> list[tuple[int, int]]:
+        """Shard ``s``'s chunks, relative to the shard."""
+        a, b = self.layout.span(s)
+        return [(x - a, y - a) for x, y in chunks(a, b, self.streams)]
+
+
+def allreduce_shards(groups: ShardGroups, values: dict[int, torch.Tensor]) -> tuple[dict[int, torch.Tensor], int]:
+    """Sum each owned shard over the member regions, in place, every chunk at once; the bytes this
+    rank sent (a ring all-reduce of B bytes among m sends 2(m-1)/m B)."""
+    m = len(groups.mship.members)
+    if m == 1:
+        return values, 0
+    works, sent = [], 0
+    for s in sorted(values):  # every rank makes its groups in the same order: no two wait on each other
+        for c, (a, b) in enumerate(groups.pieces(s)):
+            piece = values[s][a:b]
+            works.append(groups.group(s, c).allreduce([piece], AllreduceOptions()))
+            sent += 2 * (m - 1) * piece.numel() * piece.element_size() // m
+    for w in works:
+        w.wait()
+    return values, sent
+
+
+def gather_in_region(region_group: Any, layout: Layout, own: dict[int, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Every rank of the region gets every shard from its owner: the whole vector (fp32), and the
+    bytes this rank sent (an owner sends its shards to the n-1 others)."""
+    full = torch.empty(layout.numel, dtype=torch.float32)
+    for s, t in own.items():
+        a, b = layout.span(s)
+        full[a:b] = t
+    if layout.n == 1:
+        return full, 0
+    assert region_group is not None
+    works = []
+    for s in range(layout.shards):
+        a, b = layout.span(s)
+        opts = BroadcastOptions()
+        opts.rootRank = owner(s, layout.n)
+        works.append(region_group.broadcast([full[a:b]], opts))
+    for w in works:
+        w.wait()
+    return full, sum((layout.n - 1) * 4 * t.numel() for t in own.values())
+
+
+def region_max(region_group: Any, code: int) -> int:
+    """The largest ``code`` of the region's ranks: so that all of them take the same decision."""
+    if region_group is None:
+        return code
+    t = torch.tensor([code], dtype=torch.int32)
+    opts = AllreduceOptions()
+    opts.reduceOp = ReduceOp.MAX  # type: ignore[assignment]
+    region_group.allreduce([t], opts).wait()
+    return int(t.item())
+
+
+def sharded_allreduce(
+    store: object,
+    members: Sequence[tuple[str, int]],
+    region: str,
+    rank: int,
+    flat: torch.Tensor,
+    *,
+    streams: int = DEFAULT_STREAMS,
+    compression: str = "none",
+    bind: Bind = LOOPBACK,
+    timeout_s: float = 60.0,
+    tag: str = "diloco/bench",
+    corrupt: Callable[[int, torch.Tensor], None] | None = None,
+) -> tuple[torch.Tensor, int]:
+    """One sharded all-reduce (sum over the member regions) of ``flat``, which every rank of a
+    region holds alike; ``members`` are (region, ranks) in ring order, ``rank`` this rank's
+    in-region rank. Collective over every rank of every member; ``store`` (a TCPStore client or
+    ``CountingStore``) carries only the groups' rendezvous under ``tag`` (use a new tag per call).
+    Returns the sum (fp32) on every rank and the bytes this rank sent. ``corrupt(s, t)`` (tests)
+    changes a shard's contribution before it is sent."""
+    sizes = dict(members)
+    layout = Layout(flat.numel(), shard_count(list(sizes.values())), sizes[region], rank)
+    dtype = SUMMABLE_DTYPES[compression]
+    cache = GroupCache()
+    region_group = None
+    if layout.n > 1:
+        region_group = gloo_group(store, f"{tag}/region/{region}/", rank, layout.n, bind, timeout_s)
+    groups = ShardGroups(store, tag, layout, Membership(tuple(members), "bench"), region, streams, bind, timeout_s, cache)
+    values = {s: flat[slice(*layout.span(s))].to(dtype).clone() for s in layout.mine}
+    for s, t in values.items():
+        if corrupt is not None:
+            corrupt(s, t)
+    summed, sent = allreduce_shards(groups, values)
+    full, gathered = gather_in_region(region_group, layout, {s: t.float() for s, t in summed.items()})
+    return full, sent + gathered
