@@ -41,8 +41,6 @@ def _kv(text: str | None, option: str) -> dict[str, str]:
     "--params", type=click.IntRange(min=0), help="Model parameters [default: the built-in MLP's at --hidden; 0 with --model none]."
 )
 @click.option("--data-from", help="Regions reading another region's bucket: REGION=OTHER,...")
-@click.option("--outer-transport", type=click.Choice(["store", "p2p"]), default="store", show_default=True)
-@click.option("--outer-streams", default=1, show_default=True, type=click.IntRange(min=1), help="p2p: connections per pair.")
 @click.option(
     "--constants",
     "constants_file",
