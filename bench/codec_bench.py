@@ -38,6 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 REGIONS = ("us-east-1", "eu-west-1")
 RANKS = ",".join(f"{r}:1" for r in REGIONS)
 GEOSHARD = str(Path(sys.executable).with_name("geoshard"))
+SAMPLE_BYTES = 300
+sys.path.insert(0, str(ROOT / "bench"))
+
+from diloco_bench import eval_loss, local_plan, make_split  # noqa: E402
+
 # name -> extra geoshard train arguments
 CODECS = {
     "fp16": ["--outer-compression", "fp16"],
@@ -47,51 +52,6 @@ CODECS = {
     "int8-noef": ["--outer-compression", "int8", "--no-outer-error-feedback"],
     "fp8": ["--outer-compression", "fp8"],
 }
-
-
-def make_split(data: Path, samples: int) -> Path:
-    root = data / f"codec-{samples}"
-    if not (root / ".complete").exists():
-        shutil.rmtree(root, ignore_errors=True)
-        root.mkdir(parents=True)
-        args = ["--samples", str(samples), "--sample-bytes", "300", "--shard-samples", "1000"]
-        subprocess.run([GEOSHARD, "synth", str(root / "corpus"), *args], check=True, capture_output=True, timeout=1800)
-        plan = root / "plan.toml"
-        plan.write_text('[shards]\nbytes = "4MB"\n' + "".join(f"[regions.{r}]\nweight = 1\n" for r in REGIONS))
-        sources = [str(p) for p in sorted((root / "corpus").glob("*.tar"))]
-        cmd = [GEOSHARD, "split", *sources, "--plan", str(plan), "--out", str(root / "split"), "--json"]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
-        shutil.rmtree(root / "corpus")
-        (root / ".complete").touch()
-    return root / "split"
-
-
-def eval_loss(plan: Path, checkpoint: Path, hidden: int, samples: int) -> float:
-    """Cross-entropy of the final model on the first ``samples`` samples of each region (fixed)."""
-    import torch
-    import torch.nn.functional as F
-
-    from geoshard.loaders import RegionalDataset
-    from geoshard.trainer.checkpoint import CheckpointStore
-    from geoshard.trainer.model import Net, collate, to_tensors
-
-    latest = CheckpointStore(str(checkpoint)).load_latest()
-    assert latest is not None, checkpoint
-    model = Net(hidden)
-    model.load_state_dict(latest[1]["model"])
-    total, n = 0.0, 0
-    with torch.no_grad():
-        for region in REGIONS:
-            ds = RegionalDataset(plan, region=region, shuffle=False, region_rank=0, region_size=1)
-            batch: list[Any] = []
-            for sample in ds:
-                batch.append(sample)
-                if len(batch) == samples:
-                    break
-            x, y = to_tensors(collate(batch), torch.device("cpu"))
-            total += float(F.cross_entropy(model(x), y, reduction="sum"))
-            n += len(y)
-    return total / n
 
 
 def one_run(name: str, seed: int, plan: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -125,7 +85,7 @@ def one_run(name: str, seed: int, plan: Path, work: Path, args: argparse.Namespa
         # what a region reads per round: the other region's pseudo-gradient
         "grad_bytes_per_round": round(sum(r.bytes_read for r in rounds) / len(rounds)),
         "train_loss_last10pct": round(sum(losses) / len(losses), 5),
-        "eval_loss": round(eval_loss(plan, out / "checkpoints" / REGIONS[0], args.hidden, args.eval_samples), 5),
+        "eval_loss": round(eval_loss(plan, out / "checkpoints" / REGIONS[0], args.hidden, args.eval_samples, REGIONS), 5),
     }
     if not args.keep:
         shutil.rmtree(out, ignore_errors=True)
@@ -215,10 +175,9 @@ def main() -> int:
     if unknown := [n for n in names if n not in CODECS]:
         p.error(f"--codecs: unknown {', '.join(unknown)} (choose from {', '.join(CODECS)})")
     args.data.mkdir(parents=True, exist_ok=True)
-    split = make_split(args.data, args.samples)
+    split = make_split(args.data, args.samples, SAMPLE_BYTES, REGIONS)
     work = Path(tempfile.mkdtemp(prefix="codec-runs-", dir=args.data))
-    plan = work / "plan.toml"
-    plan.write_text("".join(f'[regions.{r}]\nweight = 1\nlocal = "{split / r}"\n' for r in REGIONS))
+    plan = local_plan(split, work / "plan.toml", REGIONS)
     result: dict[str, Any] = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "runs": []}
     result["load_before"] = os.getloadavg()
     try:

@@ -52,23 +52,24 @@ REGIONS = ("us-east-1", "eu-west-1", "ap-southeast-1")
 RANKS = ",".join(f"{r}:1" for r in REGIONS)
 
 
-def local_plan(split: Path, path: Path) -> Path:
-    path.write_text("".join(f'[regions.{r}]\nweight = 1\nlocal = "{split / r}"\n' for r in REGIONS))
+def local_plan(split: Path, path: Path, regions: tuple[str, ...] = REGIONS) -> Path:
+    path.write_text("".join(f'[regions.{r}]\nweight = 1\nlocal = "{split / r}"\n' for r in regions))
     return path
 
 
-def make_split(data: Path, samples: int, sample_bytes: int) -> Path:
+def make_split(data: Path, samples: int, sample_bytes: int, regions: tuple[str, ...] = REGIONS) -> Path:
+    """A split of ``samples`` synthetic samples over ``regions``, kept in ``data`` between runs."""
     import subprocess
 
     geoshard = str(Path(sys.executable).with_name("geoshard"))
-    root = data / f"diloco-{samples}x{sample_bytes}"
+    root = data / (f"diloco-{samples}x{sample_bytes}" + ("" if regions == REGIONS else "-" + "-".join(regions)))
     if not (root / ".complete").exists():
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True)
         args = ["--samples", str(samples), "--sample-bytes", str(sample_bytes), "--shard-samples", "1000"]
         subprocess.run([geoshard, "synth", str(root / "corpus"), *args], check=True, capture_output=True, timeout=1800)
         plan = root / "plan.toml"
-        plan.write_text('[shards]\nbytes = "4MB"\n' + "".join(f"[regions.{r}]\nweight = 1\n" for r in REGIONS))
+        plan.write_text('[shards]\nbytes = "4MB"\n' + "".join(f"[regions.{r}]\nweight = 1\n" for r in regions))
         sources = [str(p) for p in sorted((root / "corpus").glob("*.tar"))]
         cmd = [geoshard, "split", *sources, "--plan", str(plan), "--out", str(root / "split"), "--json"]
         subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
@@ -77,7 +78,7 @@ def make_split(data: Path, samples: int, sample_bytes: int) -> Path:
     return root / "split"
 
 
-def eval_loss(plan: Path, checkpoint: Path, hidden: int, samples: int) -> float:
+def eval_loss(plan: Path, checkpoint: Path, hidden: int, samples: int, regions: tuple[str, ...] = REGIONS) -> float:
     """Cross-entropy of the final model on the first ``samples`` samples of each region (fixed)."""
     import torch
     import torch.nn.functional as F
@@ -92,7 +93,7 @@ def eval_loss(plan: Path, checkpoint: Path, hidden: int, samples: int) -> float:
     model.load_state_dict(latest[1]["model"])
     total, n = 0.0, 0
     with torch.no_grad():
-        for region in REGIONS:
+        for region in regions:
             ds = RegionalDataset(plan, region=region, shuffle=False, region_rank=0, region_size=1)
             batch: list[Any] = []
             for sample in ds:
