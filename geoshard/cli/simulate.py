@@ -101,10 +101,8 @@ def sim_config(kw: dict[str, Any]) -> Any:
         share = round(kw["samples"] * weights[r.region] / total_w)
         specs.append(RegionSpec(r.region, r.nproc, tier, reads.get(r.region), share))
     links = _links(kw["wan_matrix"], len(specs))
-    params = kw["params"]
-    if params is None:
-        params = 0 if t.model == "none" else t.hidden**2 + 268 * t.hidden + 10
     tensors = mlp_tensors(t.hidden) if kw["params"] is None and t.model != "none" else ()
+    params = kw["params"] if kw["params"] is not None else sum(tensors)  # the built-in MLP's, or 0 with --model none
     sync = t.sync if t.sync != "auto" else ("hierarchical" if len(specs) > 1 else "flat")
     return SimConfig(
         regions=tuple(specs),

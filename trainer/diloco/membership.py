@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from geoshard.trainer.diloco import checks
 from geoshard.trainer.diloco.auth import Refused
 from geoshard.trainer.diloco.kv import KV, POLL_S
-from geoshard.trainer.diloco.roster import Roster
+from geoshard.trainer.diloco.roster import Roster, checked_members
 
 RECHECK_S = 1.0  # while a leader waits: how often it looks whether a region it waits for has finished
 REDO_WAIT_S = 5.0  # a redone attempt waits this long for the previous attempt's members
@@ -125,13 +125,7 @@ class Membership:
     def _members(self, r: int, attempt: int) -> tuple[str, ...] | None:
         key = self.members_key(r, attempt)
         value = self.kv.get(key)
-        if value is None:
-            return None
-        names = tuple(g for g in value.decode("ascii", errors="replace").split(",") if g)
-        if not set(names) <= set(self.regions):
-            self.kv.signer.refuse(key, Refused("malformed", f"members {','.join(names)[:80]!r} are not the job's regions"), value)
-            return None
-        return names
+        return None if value is None else checked_members(self.kv, key, value, self.regions)
 
     def _read_since(self, r: int, attempt: int) -> str:
         key = self._key(r, attempt, "since")

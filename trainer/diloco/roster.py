@@ -92,10 +92,14 @@ class Roster:
         the caller saw it closed (one round trip fewer)."""
         key = self.members_key(r)
         value = self.kv.opened(key, self.kv.store.get(key)) if closed else self.kv.get(key)
-        if value is None:
-            return None
-        names = tuple(g for g in value.decode("ascii", errors="replace").split(",") if g)
-        if not set(names) <= set(self.regions):
-            self.kv.signer.refuse(key, Refused("malformed", f"members {','.join(names)[:80]!r} are not the job's regions"), value)
-            return None
-        return names
+        return None if value is None else checked_members(self.kv, key, value, self.regions)
+
+
+def checked_members(kv: KV, key: str, value: bytes, regions: Sequence[str]) -> tuple[str, ...] | None:
+    """A members value (``a,b,c``) read from the store: the names, or None (refused and counted)
+    when one is not a region of the job."""
+    names = tuple(g for g in value.decode("ascii", errors="replace").split(",") if g)
+    if not set(names) <= set(regions):
+        kv.signer.refuse(key, Refused("malformed", f"members {','.join(names)[:80]!r} are not the job's regions"), value)
+        return None
+    return names
