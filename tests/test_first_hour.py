@@ -66,6 +66,8 @@ def _env_value(option: click.Option, tmp: Path) -> tuple[str, Any]:
         return str(choice), choice
     if t.name == "DURATION":
         return "80ms", 0.08
+    if t.name == "SIZE":
+        return "2MB", 2_000_000
     if isinstance(t, click.Path):
         p = tmp / "plan.toml" if t.exists else tmp / f"new-{option.name}"
         return str(p), p

@@ -260,11 +260,6 @@ def _errors(proposal: dict[str, Any], report: dict[str, Any]) -> dict[str, tuple
     return out
 
 
-@pytest.mark.xfail(
-    reason="the known answer was set on the sim's first model (simulate c2b134d); the calibrated model merged after it "
-    "predicts 75% utilization for the best plan at 100 ms steps and moves sa-east-1's placement: the scenario needs re-tuning",
-    strict=False,
-)
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the WAN rehearsal needs root (CAP_NET_ADMIN)")
 def test_a_proposal_run_under_the_rehearsal_lands_within_20_percent_on_utilization(

@@ -34,6 +34,8 @@ class _Duration(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+DURATION = _Duration()  # "80ms", "2s": also for the commands that take train's step time
+
 _OPTIONS = [
     click.option("--plan", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Region plan (TOML)."),
     click.option("--region", help="Region of this node's ranks (default: GEOSHARD_REGION, then AWS_REGION)."),
@@ -184,7 +186,7 @@ _OPTIONS = [
     ),
     click.option(
         "--step-time",
-        type=_Duration(),
+        type=DURATION,
         default="0",
         help="Compute time per step to simulate, e.g. 80ms (with --model none: the whole step's compute).",
     ),

@@ -11,7 +11,8 @@ from typing import Any
 import click
 
 from geoshard.errors import ConfigError
-from geoshard.util.units import parse_duration, parse_size
+from geoshard.trainer.options import DURATION
+from geoshard.util.units import parse_size
 
 
 class _Parsed(click.ParamType):
@@ -25,7 +26,7 @@ class _Parsed(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
-SIZE, DURATION = _Parsed("SIZE", parse_size), _Parsed("DURATION", parse_duration)
+SIZE = _Parsed("SIZE", parse_size)
 FILE = click.Path(dir_okay=False, path_type=Path)
 
 
