@@ -69,7 +69,7 @@ def part(name: str, results: dict[str, Any], fn: Callable[[], dict[str, Any]]) -
     t0 = time.perf_counter()
     try:
         results[name] = {"ok": True, **fn()}
-    except Exception as e:  # noqa: BLE001 - a part that fails is recorded, the others still run
+    except Exception as e:  # a part that fails is recorded, the others still run
         results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
     results[name]["wall_s"] = round(time.perf_counter() - t0, 3)
     print(f"{name}: {json.dumps({k: v for k, v in results[name].items() if k != 'trace'})}", flush=True)
@@ -194,7 +194,7 @@ def _exchange_worker(rank: int, port: int, device_name: str, numel: int, streams
         want = sum(torch.randn(numel, generator=torch.Generator().manual_seed(r)).half().float() for r in range(2))
         err = float((total.float().cpu() - want).abs().max())
         q.put((rank, {"seconds": seconds, "sent": sent, "max_abs_error": err, "result_device": str(total.device)}))
-    except Exception as e:  # noqa: BLE001 - reported by the parent
+    except Exception as e:  # reported by the parent
         q.put((rank, {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-1500:]}))
 
 
