@@ -33,6 +33,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -150,9 +151,9 @@ def round_local(device: torch.device, params: int) -> dict[str, Any]:
     for name in ("fp16", "bf16", "int8", "fp8"):
         c = codec(name)
         fb = ErrorFeedback(c, params)
-        enc_s, payload = timed(device, lambda c=c: c.encode(delta), repeat=1)
-        dec_s, back = timed(device, lambda c=c, p=payload: c.decode(p, params), repeat=1)
-        ef_s, _ = timed(device, lambda fb=fb: fb.encode(delta), repeat=1)
+        enc_s, payload = timed(device, partial(c.encode, delta), repeat=1)
+        dec_s, back = timed(device, partial(c.decode, payload, params), repeat=1)
+        ef_s, _ = timed(device, partial(fb.encode, delta), repeat=1)
         err = float((back.to(device) - delta).norm() / delta.norm())
         out[name] = {
             "bytes": len(payload),
