@@ -9,6 +9,10 @@ fp16 halves the bytes each step puts on a long link (with ``hierarchical`` it ap
 cross-region hop only); near convergence the rounding matters more than the bandwidth, so the hook
 switches to fp32 from ``fp32_after_step`` on.
 
+In a process group of one rank (a one-rank region under DiLoCo, or a one-rank job) there is no
+gradient to exchange: ``for_sync`` returns the model itself, without DDP and without a hook, so
+the step's ``comm_s`` is 0 because nothing runs, not because a cost went unmeasured.
+
 Cross-region bytes are counted from the ring all-reduce's traffic (each member sends 2(n-1)/n of
 the buffer to its ring successor): a model of what gloo and NCCL's ring send, not a measurement
 (``geoshard.wan`` measures them on its links).
@@ -21,6 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from geoshard.loaders.topology import Topology
 
@@ -60,6 +66,17 @@ def resolve_sync(requested: str, topology: Topology) -> str:
     if requested != "auto":
         return requested
     return "hierarchical" if topology.spans_regions else "flat"
+
+
+def for_sync(model: nn.Module, comm: CommState, sync: str, group_size: int, device_ids: list[int] | None) -> nn.Module:
+    """The module the loop runs forward and backward on: DDP with the sync's timed hook, or
+    ``model`` itself when the group has one rank (its all-reduce would return the input; measured
+    in docs/benchmarks.md, DiLoCo utilization: under load it still cost a wait for gloo's thread)."""
+    if group_size == 1:
+        return model
+    ddp = DDP(model, device_ids=device_ids)
+    ddp.register_comm_hook(comm, hierarchical_hook if sync == "hierarchical" else timed_allreduce_hook)
+    return ddp
 
 
 def flat_ring_cross_bytes(topology: Topology, nbytes: int) -> int:

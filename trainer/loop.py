@@ -26,13 +26,14 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from geoshard.errors import ConfigError, DataError
 from geoshard.loaders import RegionalDataset, RegionalLoader, make_loader
 from geoshard.plan import load_plan
 from geoshard.trainer.checkpoint import CheckpointStore, loader_position
-from geoshard.trainer.comm import CommState, hierarchical_hook, resolve_sync, timed_allreduce_hook
+from geoshard.trainer.comm import CommState, for_sync, resolve_sync
 from geoshard.trainer.config import TrainConfig
 from geoshard.trainer.context import RankContext
 from geoshard.trainer.diloco.loop import OuterLoop
@@ -82,10 +83,11 @@ def gpu_utilization() -> float | None:
         return None
 
 
-def forward_backward(ddp: DDP, x: torch.Tensor, y: torch.Tensor, accum_steps: int, last: bool) -> float:
-    """One micro-batch: gradients add up locally, and only the last one of a step all-reduces."""
-    with contextlib.nullcontext() if last else ddp.no_sync():
-        loss = F.cross_entropy(ddp(x), y) / accum_steps
+def forward_backward(net: nn.Module, x: torch.Tensor, y: torch.Tensor, accum_steps: int, last: bool) -> float:
+    """One micro-batch: gradients add up locally, and only the last one of a step all-reduces
+    (``net`` is DDP, or the model alone in a group of one rank: nothing to all-reduce)."""
+    with net.no_sync() if isinstance(net, DDP) and not last else contextlib.nullcontext():
+        loss = F.cross_entropy(net(x), y) / accum_steps
         loss.backward()
     return float(loss.detach())
 
@@ -121,7 +123,8 @@ class Run:
 
     cfg: TrainConfig
     ctx: RankContext
-    ddp: DDP
+    model: Net
+    net: nn.Module  # what forward and backward run on: DDP, or ``model`` itself in a group of one rank
     comm: CommState
     opt: torch.optim.Optimizer
     loader: RegionalLoader
@@ -153,11 +156,10 @@ def _train(cfg: TrainConfig, ctx: RankContext, started_at: float | None) -> Rank
     cfg.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     model = Net(cfg.hidden).to(ctx.device)
-    ddp = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
     sync = resolve_sync(cfg.sync, ctx.topology)  # diloco: plain DDP inside the region (its own world)
     comm = CommState(ctx.topology, cfg.grad_compression, cfg.fp32_after)
-    ddp.register_comm_hook(comm, hierarchical_hook if sync == "hierarchical" else timed_allreduce_hook)
-    opt = inner_optimizer(cfg, ddp.parameters())
+    net = for_sync(model, comm, sync, ctx.group_size, [ctx.local_rank] if ctx.device.type == "cuda" else None)
+    opt = inner_optimizer(cfg, model.parameters())
     loader = _make_loader(cfg, ctx)
     if ctx.group_rank == 0:
         _announce(cfg, ctx, loader.dataset.balance, sync)
@@ -175,7 +177,7 @@ def _train(cfg: TrainConfig, ctx: RankContext, started_at: float | None) -> Rank
         None if cfg.metrics_port is None else cfg.metrics_port + ctx.rank, rank=ctx.rank, region=ctx.region, host=cfg.metrics_host
     )
     with logs.open_steps() as steps_log, logs.open_keys() if cfg.log_keys else contextlib.nullcontext() as keys_log:
-        run = Run(cfg, ctx, ddp, comm, opt, loader, store, outer, metrics, steps_log, keys_log, segment, started_at)
+        run = Run(cfg, ctx, model, net, comm, opt, loader, store, outer, metrics, steps_log, keys_log, segment, started_at)
         summary = _loop(run, step)
     if outer is not None:
         outer.leave()
@@ -367,7 +369,7 @@ def _micro_batches(run: Run, batches: Iterator[Any]) -> _Batches:
             n += batch["n"]
         else:
             x, y = to_tensors(batch, run.ctx.device)
-            loss += forward_backward(run.ddp, x, y, cfg.accum_steps, last=micro == cfg.accum_steps - 1)
+            loss += forward_backward(run.net, x, y, cfg.accum_steps, last=micro == cfg.accum_steps - 1)
             n += len(y)
         keys += batch["keys"]
         compute += clock() - t1
@@ -415,7 +417,7 @@ def _checkpoint(step: int, run: Run) -> float:
     if run.ctx.group_rank == 0:
         state = {
             "step": step,
-            "model": run.ddp.module.state_dict(),
+            "model": run.model.state_dict(),
             "optimizer": run.opt.state_dict(),
             "inner_optimizer": run.cfg.inner_optimizer,
             "loaders": dict(states),
