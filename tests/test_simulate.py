@@ -132,6 +132,29 @@ def test_p2p_round_is_the_ring_bound_and_says_it_is_not_calibrated() -> None:
     assert outer.round_wait_s(3.0, 20, 0.25) == 0.0
 
 
+def test_int8_and_fp8_rounds_carry_a_byte_a_value_and_their_block_scales() -> None:
+    # trainer/diloco/codec.py: numel + 4 x ceil(numel / 1024) bytes; fp16 2 bytes a value
+    fp16 = outer.store_round(three(sync="diloco", params=1 << 20))
+    for name in ("int8", "fp8"):
+        rnd = outer.store_round(three(sync="diloco", params=1 << 20, outer_compression=name))
+        assert outer.pseudo_gradient_bytes(three(params=1 << 20, outer_compression=name)) == (1 << 20) + 4 * 1024
+        assert rnd.bytes == pytest.approx(fp16.bytes * ((1 << 20) + 4096) / (2 << 20))
+    with pytest.raises(ConfigError, match="outer compression int8 cannot be summed by the p2p transport's all-reduce"):
+        three(sync="diloco", outer_compression="int8", outer_transport="p2p")
+    with pytest.raises(ConfigError, match="outer compression must be one of fp16, bf16, none, int8, fp8, got 'int4'"):
+        three(sync="diloco", outer_compression="int4")
+
+
+def test_a_group_of_one_rank_exchanges_nothing() -> None:
+    # trainer/comm.py for_sync: no DDP, no hook, in a one-rank job or a one-rank DiLoCo region
+    one = Constants(bucket_s=0.01)
+    assert grad.step_exchange(three(sync="diloco", constants=one)).seconds == 0.0
+    alone = SimConfig(regions=(RegionSpec(US, 1),), links=(), constants=one, params=1_000_000, steps=10, sync="flat")
+    assert grad.step_exchange(alone).seconds == 0.0
+    two = three(sync="diloco", constants=one, regions=(RegionSpec(US, 2), RegionSpec(EU, 1), RegionSpec(AP, 1)))
+    assert grad.step_exchange(two).seconds > 0.0  # us-east-1's two ranks still all-reduce
+
+
 # -- loader and cost ---------------------------------------------------------------------------
 
 
@@ -311,6 +334,11 @@ def test_cli_json_uses_report_names_and_the_plans_prices(tmp_path: Path) -> None
             r".*prices.toml: egress.prices.'us-east-1>eu-west-1': must be USD per GB, a number from 0 to 10, got 'x'",
         ),
         (["--constants", "CONSTANTS"], r".*k.toml: constants.nope: unknown key \(known: .*\)"),
+        (
+            ["--sync", "diloco", "--outer-transport", "p2p", "--outer-compression", "int8"],
+            r"simulate: outer compression int8 cannot be summed by the p2p transport's all-reduce: "
+            r"use one of fp16, bf16, none, or --outer-transport store",
+        ),
     ],
 )
 def test_cli_bad_input_one_line_exit_2(tmp_path: Path, extra: list[str], message: str) -> None:

@@ -13,6 +13,10 @@ TIERS = ("local", "s3", "alluxio")
 HOST_COSTS = ("bucket_s", "trip_s", "step_overhead_s", "startup_s", "request_s", "batch_s", "checkpoint_s", "store_request_s")
 SYNCS = ("flat", "hierarchical", "diloco")
 OUTER_TRANSPORTS = ("store", "p2p")
+# Bytes a value of the pseudo-gradient takes on the wire, per --outer-compression (trainer/diloco/codec.py:
+# int8 and fp8 carry one byte a value and a 4-byte scale per block of 1,024 values).
+OUTER_BYTES = {"fp16": 2.0, "bf16": 2.0, "none": 4.0, "int8": 1 + 4 / 1024, "fp8": 1 + 4 / 1024}
+SUMMABLE = ("fp16", "bf16", "none")  # what the p2p transport's all-reduce can sum (blocks with their own scales cannot)
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,13 @@ class SimConfig:
             raise ConfigError(f"simulate: sync must be one of {', '.join(SYNCS)}, got {self.sync!r}")
         if self.outer_transport not in OUTER_TRANSPORTS:
             raise ConfigError(f"simulate: outer transport must be one of {', '.join(OUTER_TRANSPORTS)}, got {self.outer_transport!r}")
+        if self.outer_compression not in OUTER_BYTES:
+            raise ConfigError(f"simulate: outer compression must be one of {', '.join(OUTER_BYTES)}, got {self.outer_compression!r}")
+        if self.outer_transport == "p2p" and self.outer_compression not in SUMMABLE:
+            raise ConfigError(
+                f"simulate: outer compression {self.outer_compression} cannot be summed by the p2p transport's all-reduce: "
+                f"use one of {', '.join(SUMMABLE)}, or --outer-transport store"
+            )
         if not 0 <= self.outer_overlap < self.outer_steps:
             raise ConfigError(f"simulate: outer-overlap must be at least 0 and below outer-steps ({self.outer_steps})")
         if len(self.regions) > 1:

@@ -6,6 +6,9 @@ member sends 2(n-1)/n·B, and the ring's slowest hop sets the pace (``ring_allre
 all-reduces its buckets one after another (the first bucket holds 1 MB of gradients, the next
 25 MB each); accumulation syncs once per optimizer step (no_sync before).
 
+A process group of one rank (a one-rank job, or a one-rank region under DiLoCo) has no DDP and no
+hook (trainer/comm.py ``for_sync``): its exchange is 0.
+
 ``flat``: one ring over every rank in rank order (regions in the job's order): R of its hops cross
 regions. ``hierarchical``: reduce onto each region's leader, a ring over the leaders (fp16 here
 only), a broadcast back; the in-region hops cost B at the region's own rate.
@@ -78,7 +81,8 @@ def _delivered(nbytes: float, hop: LinkSpec | None, k: Constants, idle_s: float)
 def step_exchange(cfg: SimConfig, step: int = 0, idle_s: float = math.inf) -> GradStep:
     """The exchange of one optimizer step (``step`` decides fp16 vs fp32 after ``fp32_after``);
     ``idle_s``: the links' idle time between two steps' exchanges (the step's compute)."""
-    if cfg.params <= 0:
+    largest = max(r.ranks for r in cfg.regions)
+    if cfg.params <= 0 or (largest if cfg.sync == "diloco" else cfg.world_size) < 2:
         return GradStep(0.0, 0.0, ())
     fp16 = cfg.grad_compression == "fp16" and (cfg.fp32_after is None or step < cfg.fp32_after)
     tensors = cfg.tensor_params or _even_tensors(cfg.params)
@@ -88,10 +92,9 @@ def step_exchange(cfg: SimConfig, step: int = 0, idle_s: float = math.inf) -> Gr
     elif cfg.sync == "hierarchical":
         out = _hierarchical(cfg, sizes, 0.5 if fp16 else 1.0, idle_s)
     else:  # diloco: DDP inside each region only, a flat ring over the largest region's ranks
-        largest = max(r.ranks for r in cfg.regions)
         k = cfg.constants
         out = GradStep(ring_allreduce_s([float(b) for b in sizes], largest, [None], k, k.gloo_threads), 0.0, ())
-    # The comm hook's own time per bucket (its cast, copy and the call into gloo), even alone in a region.
+    # The comm hook's own time per bucket (its cast, copy and the call into gloo).
     return dataclasses.replace(out, seconds=out.seconds + len(sizes) * cfg.constants.bucket_s)
 
 

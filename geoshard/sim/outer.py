@@ -7,7 +7,8 @@ in fp32) to the store (P over its link to the store), waits for the round to clo
 in one multi_get ((m-1)·P back over the same link) and the latest state (``outer_trips_after``
 round trips in all). The round closes when the slowest publish has landed, so
 round = max_r(publish_r + trips_before·rtt_r) + max_r(trips_after·rtt_r + read_r).
-Bytes through the star: m·P published + m(m-1)·P read.
+Bytes through the star: m·P published + m(m-1)·P read. P is params x the compression's bytes a
+value (``OUTER_BYTES``: 2 for fp16/bf16, 4 for none, about 1 for int8/fp8).
 
 ``p2p_round`` is the ring transport another engineer is building (``--outer-transport p2p``):
 a ring all-reduce among the m leaders, sharded over ``streams`` connections per pair:
@@ -21,10 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from geoshard.sim.config import SimConfig
+from geoshard.sim.config import OUTER_BYTES, SimConfig
 from geoshard.sim.links import one_way, rate, round_trip_s, transfer_s
 
-BYTES = {"fp16": 2, "bf16": 2, "none": 4}
 P2P_STREAM_EFFICIENCY = 0.9  # assumed share of the link a sharded ring keeps busy: not calibrated
 
 
@@ -37,7 +37,7 @@ class OuterRound:
 
 
 def pseudo_gradient_bytes(cfg: SimConfig) -> float:
-    return cfg.params * BYTES[cfg.outer_compression]
+    return cfg.params * OUTER_BYTES[cfg.outer_compression]
 
 
 def store_round(cfg: SimConfig) -> OuterRound:
