@@ -104,7 +104,7 @@ def test_a_no_op_refresh_hashes_no_source_and_a_changed_source_is_split_again(tm
     assert first["split"]["generation"] == 1 and first["split"]["sources_checked"] == "hash" and (out / SOURCES_STATE).is_file()
     quiet = refresh()
     assert quiet["split"] == quiet["split"] | {"unchanged": True, "sources_checked": "stat", "source_bytes_hashed": 0, "generation": 1}
-    assert all(r["uploaded"] == 0 and r["published"] for r in quiet["sync"]["regions"].values())
+    assert all((r["uploaded"], r["bytes_read_locally"], r["published"]) == (0, 0, True) for r in quiet["sync"]["regions"].values())
 
     # A source changed in place with its mtime set back: its ctime moved, so the split checks
     # every source by its bytes and splits that one's group again.
