@@ -159,7 +159,8 @@ def pull(
     missing = [i for i in items if not _present(i, root, mode, state, report)]
     report.skipped = sum(not i.index for i in items) - sum(not i.index for i in missing)
     report.indexes_skipped = sum(i.index for i in items) - sum(i.index for i in missing)
-    ready = _fetch(target, root, missing, settings, transferer or Transferer(workers=settings.workers), report, progress)
+    seen: dict[str, FileStat] = {}  # each download's stat when it verified, before its rename
+    ready = _fetch(target, root, missing, settings, transferer or Transferer(workers=settings.workers), report, progress, seen)
     # An index is renamed into place only once every object verified, just before the manifest:
     # a replica's indexes are those of the manifest it holds, the old one or the new one.
     for tmp in ready:
@@ -167,8 +168,9 @@ def pull(
     write_atomic(root / MANIFEST, manifest.to_json())
     if missing:
         settle()  # the files just written are recorded, not left racy
-        for i in missing:
-            state.record(i.path, root / i.path, i.tag(mode))
+        for i in missing:  # recorded only if nothing wrote to it since it verified
+            if i.path in seen:
+                state.record(i.path, root / i.path, i.tag(mode), seen[i.path], renamed=True)
     state.save()
     report.seconds = time.monotonic() - t0
     return report
@@ -182,6 +184,7 @@ def _fetch(
     transferer: Transferer,
     report: PullReport,
     progress: Callable[[dict[str, int]], None] | None,
+    seen: dict[str, FileStat],
 ) -> list[Path]:
     """Download and verify ``missing``, with retries; shards are renamed into place as they
     verify, the indexes' verified temporary files are returned. Raises SyncError (the indexes'
@@ -199,13 +202,16 @@ def _fetch(
         retry = []
         for i in missing:
             tmp = temp[i.path]
-            if target.url(i.path) in failures or not i.matches(tmp, settings.verify):
+            stat = FileStat.of(tmp)
+            if target.url(i.path) in failures or stat is None or not i.matches(tmp, settings.verify):
                 tmp.unlink(missing_ok=True)
                 retry.append(i)
             elif i.index:
+                seen[i.path] = stat
                 ready.append(tmp)
                 report.indexes_downloaded += 1
             else:
+                seen[i.path] = stat
                 os.replace(tmp, root / i.path)
                 report.downloaded += 1
                 report.bytes_downloaded += i.shard.bytes

@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from geoshard.util.fsutil import write_atomic
@@ -85,11 +85,12 @@ class StatState:
         self.fresh[name] = got
         return True
 
-    def record(self, name: str, file: Path | str, tag: str, seen: FileStat | None = None) -> None:
+    def record(self, name: str, file: Path | str, tag: str, seen: FileStat | None = None, renamed: bool = False) -> None:
         """``file`` matched ``tag``. With ``seen`` (its stat before it was read), it is recorded
-        only when nothing changed it since; racy entries (ctime too recent) are left out."""
+        only when nothing changed it since (``renamed``: it was renamed into place after, which
+        moves the ctime alone); racy entries (ctime too recent) are left out."""
         now = FileStat.of(file)
-        if now is None or (seen is not None and now != seen):
+        if now is None or (seen is not None and (replace(now, ctime_ns=seen.ctime_ns) if renamed else now) != seen):
             return
         if now.ctime_ns > time.time_ns() - RACY_NS:
             return
