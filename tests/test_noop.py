@@ -18,8 +18,8 @@ from geoshard.sync.pull import STATE
 EU = "eu-west-1"
 
 
-def _pull(plan: Path, replica: Path, *extra: str) -> dict:  # type: ignore[type-arg]
-    r = geoshard("pull", "--plan", plan, "--region", EU, "--to", replica, "--json", *extra, cwd=replica.parent, timeout=120)
+def _pull(plan: Path, replica: Path, *extra: str, region: str = EU) -> dict:  # type: ignore[type-arg]
+    r = geoshard("pull", "--plan", plan, "--region", region, "--to", replica, "--json", *extra, cwd=replica.parent, timeout=120)
     assert (r.rc, r.err) == (0, ""), r.err
     return json.loads(r.out)  # type: ignore[no-any-return]
 
@@ -105,6 +105,10 @@ def test_a_no_op_refresh_hashes_no_source_and_a_changed_source_is_split_again(tm
     quiet = refresh()
     assert quiet["split"] == quiet["split"] | {"unchanged": True, "sources_checked": "stat", "source_bytes_hashed": 0, "generation": 1}
     assert all((r["uploaded"], r["bytes_read_locally"], r["published"]) == (0, 0, True) for r in quiet["sync"]["regions"].values())
+    regions = sorted(quiet["sync"]["regions"])
+    before = {r: {s.path for s in read_region_manifest(out / r).shards} for r in regions}
+    for r in regions:
+        assert _pull(plan, tmp_path / f"replica-{r}", region=r)["downloaded"] == len(before[r])
 
     # A source changed in place with its mtime set back: its ctime moved, so the split checks
     # every source by its bytes and splits that one's group again.
@@ -114,4 +118,12 @@ def test_a_no_op_refresh_hashes_no_source_and_a_changed_source_is_split_again(tm
     assert (s["unchanged"], s["sources_checked"], s["source_bytes_hashed"], s["generation"]) == (False, "hash", total, 2)
     assert len(s["groups_run"]) >= 1
     assert sum(r["uploaded"] for r in changed["sync"]["regions"].values()) >= 1
+    # The bucket changed under the replica: a pull fetches exactly the shards it lacks, and finds
+    # the ones it holds by their stat.
+    after = {r: {s.path for s in read_region_manifest(out / r).shards} for r in regions}
+    assert any(after[r] - before[r] for r in regions)
+    for r in regions:
+        doc = _pull(plan, tmp_path / f"replica-{r}", region=r)
+        new, kept = len(after[r] - before[r]), len(after[r] & before[r])
+        assert (doc["downloaded"], doc["stat_matched"], doc["rehashed"], doc["bytes_rehashed"]) == (new, kept, 0, 0), r
     assert refresh()["split"]["sources_checked"] == "stat"
