@@ -6,10 +6,15 @@ chunk, its chunk index beside it: what is measured is the per-shard bookkeeping,
 published into a fresh prefix of a local SeaweedFS and then, each as a ``geoshard`` process:
 
 - ``sync`` (first) and ``sync`` again: the no-op re-sync must upload nothing;
-- ``pull`` into an empty replica (first) and ``pull`` again: the no-op pull fetches nothing (it
-  still re-hashes every local shard and index: 2 KiB each here, so per-entry cost dominates);
+- ``pull`` into an empty replica (first) and ``pull`` again: the no-op pull fetches nothing and
+  reads nothing (each shard and index found by the stat recorded when it verified);
 - ``verify`` of the replica: each entry's shard size, xxh3_128, sample count and chunk index;
-- ``refresh`` with its sources unchanged: the source check, no split, a no-op sync.
+- ``refresh`` with its sources unchanged (run twice: the first records the sources' stat, the
+  one measured finds them by it): no source byte read, no split, a no-op sync.
+
+Each no-op's data bytes read or moved are counted from its report and printed: the re-sync's
+shard bytes hashed locally and uploaded, the pull's bytes re-hashed and downloaded, the
+refresh's source bytes hashed and uploaded. All must be 0; verify reads every byte by design.
 
 The baseline, measured in the same run, is the process's start (``geoshard --version``); each
 step's per-shard cost is its slope between the sizes, so a constant slope is proportional growth.
@@ -39,7 +44,16 @@ sys.path.insert(0, str(ROOT / "tests"))  # the SeaweedFS launcher the test suite
 from manifest_bench import save  # noqa: E402 - beside this file
 from servers import SeaweedS3  # noqa: E402
 
-from geoshard.manifest import Manifest, RegionManifest, RegionSummary, ShardChunks, ShardEntry, SourceEntry, chunkindex  # noqa: E402
+from geoshard.manifest import (  # noqa: E402
+    Manifest,
+    RegionManifest,
+    RegionSummary,
+    ShardChunks,
+    ShardEntry,
+    SourceEntry,
+    chunkindex,
+    read_region_manifest,
+)
 from geoshard.plan import load_plan  # noqa: E402
 from geoshard.split.sources import expand_sources  # noqa: E402
 from geoshard.util.fsutil import write_atomic  # noqa: E402
@@ -112,8 +126,10 @@ def one_size(tmp: Path, n: int, bucket: str, server: SeaweedS3, env: dict[str, s
         "pull": run(pull, env),
         "repull": run(pull, env),
         "verify": run(["verify", str(replica), "--json"], env),
-        "refresh": run(["refresh", str(sources), "--plan", str(plan), "--out", str(folder), "--json"], env),
     }
+    refresh = ["refresh", str(sources), "--plan", str(plan), "--out", str(folder), "--json"]
+    run(refresh, env)  # records the sources' stat (a folder split before this version has none)
+    got["refresh"] = run(refresh, env)
     resync = json.loads(got["resync"][2])["regions"][REGION]
     assert resync["uploaded"] == 0 and resync["skipped"] == n, resync
     repull = json.loads(got["repull"][2])
@@ -122,7 +138,18 @@ def one_size(tmp: Path, n: int, bucket: str, server: SeaweedS3, env: dict[str, s
     assert verified["checked"] == n and not verified["missing"] and not verified["mismatched"], verified
     refreshed = json.loads(got["refresh"][2])
     assert refreshed["split"]["unchanged"] and refreshed["sync"]["regions"][REGION]["uploaded"] == 0, refreshed
-    row: dict[str, float] = {"shards": n}
+    rsync = refreshed["sync"]["regions"][REGION]
+    row: dict[str, float] = {
+        "shards": n,
+        "resync_bytes": resync["bytes_read_locally"] + resync["bytes_uploaded"],
+        "repull_bytes": repull["bytes_rehashed"] + repull["bytes_downloaded"],
+        "repull_stat_matched": repull["stat_matched"],
+        "refresh_bytes": refreshed["split"]["source_bytes_hashed"] + rsync["bytes_read_locally"] + rsync["bytes_uploaded"],
+        "refresh_split_s": refreshed["split"]["seconds"],
+        "refresh_sync_s": rsync["seconds"],
+        "resync_sync_s": resync["seconds"],
+        "verify_bytes": sum(s.bytes for s in read_region_manifest(replica).shards),
+    }
     for step, (wall, cpu, _) in got.items():
         row[f"{step}_s"], row[f"{step}_cpu_s"] = wall, cpu
     return row
@@ -156,6 +183,14 @@ def main() -> None:
             rows.append(row)
             cells = "  ".join(f"{s} {row[f'{s}_s']:.2f} s (CPU {row[f'{s}_cpu_s']:.2f})" for s in STEPS)
             print(f"{n:>7,} shards  {cells}  load {row['load']:.1f}", flush=True)
+            moved = "  ".join(f"{s} {int(row[f'{s}_bytes']):,}" for s in ("resync", "repull", "refresh", "verify"))
+            found = int(row["repull_stat_matched"])
+            print(f"{n:>7,} shards  data bytes read or moved: {moved} (pull found {found:,} files by stat)", flush=True)
+            print(
+                f"{n:>7,} shards  refresh: split check {row['refresh_split_s']:.2f} s, sync {row['refresh_sync_s']:.2f} s; "
+                f"re-sync's sync {row['resync_sync_s']:.2f} s",
+                flush=True,
+            )
     for line in slopes(rows):
         print(line)
     save(rows, args.json_out)

@@ -181,8 +181,15 @@ def pull(
 def _pull_line(report: PullReport, folder: Path) -> str:
     return (
         f"{report.region}: {report.downloaded} shards fetched ({report.bytes_downloaded:,} bytes), {report.skipped} already present, "
-        f"into {folder}" + (f"; checked by {report.hash}" if report.hash else "") + _indexes_part(report)
+        f"into {folder}" + (f"; checked by {report.hash}" if report.hash else "") + _indexes_part(report) + _local_part(report)
     )
+
+
+def _local_part(report: PullReport) -> str:
+    """How the files already there were found correct: by their recorded stat, or read again."""
+    if not report.stat_matched and not report.rehashed:
+        return ""
+    return f"; {report.stat_matched} local files unchanged by stat, {report.rehashed} re-read ({report.bytes_rehashed:,} bytes)"
 
 
 def _indexes_part(report: PullReport) -> str:

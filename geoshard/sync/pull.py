@@ -2,7 +2,11 @@
 
 s5cmd does not verify downloads, so each shard lands under a temporary name, is checked against
 the bucket's manifest and only then renamed into place; the replica's manifest is written last.
-Shards already present and correct are not fetched again. The check is the manifest's xxh3_128
+Shards already present and correct are not fetched again, and not read again either: a file
+that verified is recorded in ``.geoshard-pull-state.json`` with its size, mtime, ctime and inode
+(geoshard/sync/stat_state.py), so a no-op pull stats and compares; a file whose stat or expected
+digest changed is hashed again, and ``geoshard verify`` re-hashes everything. The check is the
+manifest's xxh3_128
 by default (memory speed; sha256 where the manifest predates it), or sha256 with
 ``verify="sha256"`` (a cryptographic check); the size is checked first in both.
 
@@ -29,13 +33,16 @@ from geoshard.manifest.verify import algorithm_for, index_matches, shard_matches
 from geoshard.plan import Plan
 from geoshard.s3 import REQUEST_TIMEOUT_S
 from geoshard.sync.remote import Bucket, BucketTarget
+from geoshard.sync.stat_state import FileStat, StatState, settle
 from geoshard.sync.transfer import Transfer, Transferer
 from geoshard.util.fsutil import write_atomic
+from geoshard.util.hashing import FAST
 from geoshard.util.retry import Backoff
 
 log = logging.getLogger(__name__)
 _sleep = time.sleep  # module-level so tests can record the backoff without touching time.sleep
 _PARTIAL = ".partial"
+STATE = ".geoshard-pull-state.json"  # what each verified file looked like (the no-op quick check)
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,9 @@ class PullReport:
     hash: str = ""  # the digest every shard was checked by: "xxh3_128", "sha256", or both ("sha256+xxh3_128")
     indexes_downloaded: int = 0  # chunk indexes of a version 2 region (<shard>.chunks), checked by their entry's chunk_index
     indexes_skipped: int = 0
+    stat_matched: int = 0  # files (shards and indexes) found unchanged by their recorded stat: not read
+    rehashed: int = 0  # local files read and hashed to decide whether to fetch them
+    bytes_rehashed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -102,6 +112,30 @@ class _Item:
     def matches(self, file: Path, mode: str) -> bool:
         return index_matches(file, self.shard) if self.index else shard_matches(file, self.shard, mode)
 
+    def tag(self, mode: str) -> str:
+        """What the file's bytes must match: recorded beside its stat once they did."""
+        if self.index:
+            return f"chunks:{self.shard.chunk_index}"
+        algorithm = algorithm_for(self.shard, mode)
+        return f"{algorithm}:{self.shard.xxh3_128 if algorithm == FAST else self.shard.sha256}"
+
+
+def _present(item: _Item, root: Path, mode: str, state: StatState, report: PullReport) -> bool:
+    """Whether the replica already holds ``item``: its recorded stat, else its bytes re-hashed."""
+    file, tag = root / item.path, item.tag(mode)
+    if state.unchanged(item.path, file, tag):
+        report.stat_matched += 1
+        return True
+    seen = FileStat.of(file)
+    if seen is None or (not item.index and seen.size != item.shard.bytes):
+        return False  # missing, or a shard of the wrong size: fetched without reading it
+    report.rehashed += 1
+    report.bytes_rehashed += seen.size
+    if not item.matches(file, mode):
+        return False
+    state.record(item.path, file, tag, seen)
+    return True
+
 
 def pull(
     target: BucketTarget,
@@ -121,15 +155,23 @@ def pull(
     root = settings.to
     root.mkdir(parents=True, exist_ok=True)
     items = [_Item(s) for s in manifest.shards] + [_Item(s, index=True) for s in manifest.shards if s.chunk_index]
-    missing = [i for i in items if not i.matches(root / i.path, mode)]
+    state = StatState.load(root / STATE)
+    missing = [i for i in items if not _present(i, root, mode, state, report)]
     report.skipped = sum(not i.index for i in items) - sum(not i.index for i in missing)
     report.indexes_skipped = sum(i.index for i in items) - sum(i.index for i in missing)
-    ready = _fetch(target, root, missing, settings, transferer or Transferer(workers=settings.workers), report, progress)
+    seen: dict[str, FileStat] = {}  # each download's stat when it verified, before its rename
+    ready = _fetch(target, root, missing, settings, transferer or Transferer(workers=settings.workers), report, progress, seen)
     # An index is renamed into place only once every object verified, just before the manifest:
     # a replica's indexes are those of the manifest it holds, the old one or the new one.
     for tmp in ready:
         os.replace(tmp, tmp.with_name(tmp.name[1 : -len(_PARTIAL)]))
     write_atomic(root / MANIFEST, manifest.to_json())
+    if missing:
+        settle()  # the files just written are recorded, not left racy
+        for i in missing:  # recorded only if nothing wrote to it since it verified
+            if i.path in seen:
+                state.record(i.path, root / i.path, i.tag(mode), seen[i.path], renamed=True)
+    state.save()
     report.seconds = time.monotonic() - t0
     return report
 
@@ -142,6 +184,7 @@ def _fetch(
     transferer: Transferer,
     report: PullReport,
     progress: Callable[[dict[str, int]], None] | None,
+    seen: dict[str, FileStat],
 ) -> list[Path]:
     """Download and verify ``missing``, with retries; shards are renamed into place as they
     verify, the indexes' verified temporary files are returned. Raises SyncError (the indexes'
@@ -159,13 +202,16 @@ def _fetch(
         retry = []
         for i in missing:
             tmp = temp[i.path]
-            if target.url(i.path) in failures or not i.matches(tmp, settings.verify):
+            stat = FileStat.of(tmp)
+            if target.url(i.path) in failures or stat is None or not i.matches(tmp, settings.verify):
                 tmp.unlink(missing_ok=True)
                 retry.append(i)
             elif i.index:
+                seen[i.path] = stat
                 ready.append(tmp)
                 report.indexes_downloaded += 1
             else:
+                seen[i.path] = stat
                 os.replace(tmp, root / i.path)
                 report.downloaded += 1
                 report.bytes_downloaded += i.shard.bytes

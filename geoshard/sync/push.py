@@ -60,6 +60,7 @@ class RegionReport:
     region: str
     uploaded: int = 0
     skipped: int = 0
+    bytes_read_locally: int = 0  # shard bytes re-hashed before upload (0 for a no-op: listed ETags compared)
     repaired: int = 0  # shards the bucket held with other bytes than the manifest's, uploaded again
     deleted: int = 0
     failed: int = 0
@@ -232,6 +233,7 @@ def _to_upload(
     todo += remote_bad
     damaged = {s.path for s in todo if s.path in published and s.path in listing}
     rr.skipped = len(local.shards) - len(todo)
+    rr.bytes_read_locally = sum(s.bytes for s in todo)
     md5 = _check_locally(todo, root, target, listing)
     etags.update({s.sha256: md5[s.path] for s in todo if s.path in md5})
     uploads = [s for s in todo if not (s.path in md5 and _etag_ok(listing[s.path], md5[s.path]))]
