@@ -14,11 +14,10 @@ import time
 from dataclasses import dataclass, replace
 
 from geoshard.optimize.choices import TIERS, Placement, SyncChoice, sync_grid
-from geoshard.optimize.inputs import Budgets, OptimizeInputs
+from geoshard.optimize.inputs import OptimizeInputs
 from geoshard.sim import Prediction, predict
 from geoshard.sim.config import RegionSpec, SimConfig
 from geoshard.sim.cost import price
-from geoshard.sim.predict import RegionPrediction
 
 log = logging.getLogger(__name__)
 TOLERANCE_USD, TOLERANCE_SHARE = 0.01, 0.01  # two costs closer than max($0.01, 1%) are the same cost
@@ -44,19 +43,6 @@ class BudgetCheck:
         if self.name == "io_wait":
             return f"IO wait {got} {'<=' if self.met else '>'} {lim}" + ("" if self.met else f" (over by {by})")
         return f"utilization {got} {'>=' if self.met else '<'} {lim}" + ("" if self.met else f" (short by {by})")
-
-
-@dataclass(frozen=True)
-class Seen:
-    """One region under one kind of placement, as that kind's prediction has it."""
-
-    io_wait: float  # share after the first batch
-    remote_bytes: float  # read from another region's bucket
-    first_batch_s: float
-    utilization: float  # the job's, were this region's first batch the slowest
-
-    def fits(self, b: Budgets) -> bool:
-        return self.io_wait <= b.io_wait and self.utilization >= b.utilization
 
 
 @dataclass(frozen=True)
@@ -163,51 +149,40 @@ def place_regions(inputs: OptimizeInputs, cfg: SimConfig) -> tuple[tuple[RegionC
     region on it (a region's loader does not depend on another's tier), then a choice per region."""
     options = {r.name: _options(inputs, r.name) for r in cfg.regions}
     kinds = [t for t in (*TIERS, "remote") if any(p.tier == t for ps in options.values() for p in ps)]
-    seen: dict[str, dict[str, Seen]] = {}  # kind -> region -> what the kind's prediction says of it
+    seen: dict[str, dict[str, tuple[float, float]]] = {}  # kind -> region -> (io wait share, cross-region bytes)
     for kind in kinds:
         specs = []
         for r in cfg.regions:
             mine = [p for p in options[r.name] if p.tier == kind]
             specs.append(_as_spec(r, mine[0]) if mine else replace(r, tier="s3", data_region=None))
         p = predict(replace(cfg, regions=tuple(specs)))
-        seen[kind] = {g.name: _seen(p, g) for g in p.regions}
+        seen[kind] = {g.name: (g.io_wait_share_after_first_batch, g.cross_region_data_bytes) for g in p.regions}
     chosen = tuple(_choose(inputs, r, options[r.name], seen, cfg) for r in cfg.regions)
     return chosen, len(kinds)
 
 
-def _seen(p: Prediction, g: RegionPrediction) -> Seen:
-    """``g`` under ``p``'s placement kind. The job starts with its slowest first batch, so a region's own
-    first batch bounds the job's utilization: computed with the region's IO wait, not the kind's slowest
-    region's (another region's wait on the same kind must not count against this one)."""
-    step = p.step_s - p.outer_round_count * p.outer_sync_s_mean / p.steps  # without the rounds' waits
-    own = p.step_s - (p.io_wait_share_after_first_batch - g.io_wait_share_after_first_batch) * step
-    wall = g.time_to_first_batch_s + p.steps * own
-    util = min(1.0, p.steps * p.compute_s_per_step / wall) if wall > 0 else 0.0
-    return Seen(g.io_wait_share_after_first_batch, g.cross_region_data_bytes, g.time_to_first_batch_s, util)
-
-
 def _choose(
-    inputs: OptimizeInputs, r: RegionSpec, options: list[Placement], seen: dict[str, dict[str, Seen]], cfg: SimConfig
+    inputs: OptimizeInputs, r: RegionSpec, options: list[Placement], seen: dict[str, dict[str, tuple[float, float]]], cfg: SimConfig
 ) -> RegionChoice:
-    """The cheapest placement whose IO wait and first batch fit the budgets; with none, the least wait."""
+    budget = inputs.budgets.io_wait
     rows = []
     for p in options:
-        got = seen[p.tier][r.name]
+        wait, remote_bytes = seen[p.tier][r.name]
         if p.tier == "remote":
-            usd = got.remote_bytes / 1e9 * price(inputs.source_region, r.name, cfg.prices)[0]
+            usd = remote_bytes / 1e9 * price(inputs.source_region, r.name, cfg.prices)[0]
         else:
             usd = _copy_usd(inputs, r.name, cfg)
-        rows.append((p, got, usd))
-    ok = [x for x in rows if x[1].fits(inputs.budgets)]
+        rows.append((p, wait, usd))
+    ok = [x for x in rows if x[1] <= budget]
     if ok:
         cheapest = min(u for _, _, u in ok)
         best = min((x for x in ok if _same_cost(x[2], cheapest)), key=lambda x: x[0].rank)
     else:
-        best = min(rows, key=lambda x: (x[1].io_wait, -x[1].utilization, x[0].rank))
-    p, got, usd = best
-    reason = _region_reason(inputs, r.name, best, rows)
+        best = min(rows, key=lambda x: (x[1], x[0].rank))
+    p, wait, usd = best
+    reason = _region_reason(inputs, r.name, best, rows, budget)
     copy = usd if p.tier != "remote" else 0.0
-    return RegionChoice(r.name, r.ranks, p, copy, got.io_wait, reason)
+    return RegionChoice(r.name, r.ranks, p, copy, wait, reason)
 
 
 def _copy_usd(inputs: OptimizeInputs, region: str, cfg: SimConfig) -> float:
@@ -222,20 +197,17 @@ def _same_cost(a: float, b: float) -> bool:
 
 
 def _region_reason(
-    inputs: OptimizeInputs, region: str, best: tuple[Placement, Seen, float], rows: list[tuple[Placement, Seen, float]]
+    inputs: OptimizeInputs, region: str, best: tuple[Placement, float, float], rows: list[tuple[Placement, float, float]], budget: float
 ) -> str:
-    p, got, usd = best
-    budget = inputs.budgets.io_wait
+    p, wait, usd = best
     cost = f"${usd:,.2f} of reads per epoch" if p.tier == "remote" else ("no copy" if usd == 0 else f"a copy ${usd:,.2f} per epoch")
-    text = f"{p.label()}: IO wait {got.io_wait:.1%} {'<=' if got.io_wait <= budget else '>'} {budget:.0%}, {cost}"
+    text = f"{p.label()}: IO wait {wait:.1%} {'<=' if wait <= budget else '>'} {budget:.0%}, {cost}"
     others = []
-    for q, g, u in rows:
+    for q, w, u in rows:
         if q == p:
             continue
-        if g.io_wait > budget:
-            others.append(f"{q.label()} waits {g.io_wait:.1%}")
-        elif g.utilization < inputs.budgets.utilization:
-            others.append(f"{q.label()} waits {g.first_batch_s:,.1f} s for its first batch (utilization {g.utilization:.1%})")
+        if w > budget:
+            others.append(f"{q.label()} waits {w:.1%}")
         elif not _same_cost(u, usd):
             others.append(f"{q.label()} costs ${u:,.2f}")
         else:
