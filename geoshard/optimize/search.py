@@ -15,7 +15,6 @@ like one that waits too long, however cheap.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, replace
 
@@ -52,6 +51,19 @@ class BudgetCheck:
 
 
 @dataclass(frozen=True)
+class Seen:
+    """One region under one kind of placement, as that kind's prediction has it."""
+
+    io_wait: float  # share after the first batch
+    remote_bytes: float  # read from another region's bucket
+    first_s: float  # its time to the first batch
+    ceiling: float  # the job's utilization at most, were this region's first batch the job's
+
+
+Row = tuple[Placement, Seen, float, str | None]  # a placement, its figures, its USD per epoch, why it was refused
+
+
+@dataclass(frozen=True)
 class RegionChoice:
     name: str
     ranks: int
@@ -59,6 +71,7 @@ class RegionChoice:
     copy_usd: float  # the one copy into the region's own storage, per epoch (spread over --epochs)
     io_wait: float  # its IO wait share with this placement, as predicted when it was chosen
     reason: str
+    options: tuple[Row, ...] = ()  # every placement it had, with its figures and USD per epoch
 
 
 @dataclass(frozen=True)
@@ -99,6 +112,7 @@ class Proposal:
     candidates: int
     predictions: int
     seconds: float
+    found: tuple[Candidate, ...] = ()  # every candidate predicted, in the grid's order
 
     @property
     def feasible(self) -> bool:
@@ -127,6 +141,7 @@ def optimize(inputs: OptimizeInputs) -> Proposal:
         candidates=len(found),
         predictions=calls,
         seconds=time.perf_counter() - t0,
+        found=tuple(found),
     )
 
 
@@ -162,60 +177,61 @@ def place_regions(inputs: OptimizeInputs, cfg: SimConfig) -> tuple[tuple[RegionC
             mine = [p for p in options[r.name] if p.tier == kind]
             specs.append(_as_spec(r, mine[0]) if mine else replace(r, tier="s3", data_region=None))
         p = predict(replace(cfg, regions=tuple(specs)))
-        compute = p.steps * p.compute_s_per_step
-        after_first = compute / p.utilization - p.time_to_first_batch_s if p.utilization > 0 else math.inf
+        ceilings = _ceilings(p)
         seen[kind] = {
-            g.name: Seen(g.io_wait_share_after_first_batch, g.cross_region_data_bytes, g.time_to_first_batch_s,
-                         compute / (after_first + g.time_to_first_batch_s) if compute > 0 else 1.0)
+            g.name: Seen(g.io_wait_share_after_first_batch, g.cross_region_data_bytes, g.time_to_first_batch_s, ceilings[g.name])
             for g in p.regions
-        }  # fmt: skip
+        }
     chosen = tuple(_choose(inputs, r, options[r.name], seen, cfg) for r in cfg.regions)
     return chosen, len(kinds)
 
 
-@dataclass(frozen=True)
-class Seen:
-    """One region under one kind of placement, as that kind's prediction has it."""
-
-    io_wait: float  # share after the first batch
-    remote_bytes: float  # read from another region's bucket
-    first_s: float  # its time to the first batch
-    ceiling: float  # the job's utilization at most, were this region's first batch the job's
-
-
-Row = tuple[Placement, Seen, float]  # a placement, its figures, its USD per epoch
+def _ceilings(p: Prediction) -> dict[str, float]:
+    """Per region, the job's utilization were its first batch the job's and its IO wait the job's:
+    what the region's placement alone allows, whatever the other regions' placements."""
+    compute = p.steps * p.compute_s_per_step
+    if compute <= 0 or p.utilization <= 0:
+        return {g.name: 1.0 for g in p.regions}
+    step = p.step_s - p.outer_round_count * p.outer_sync_s_mean / p.steps  # compute, exchange, the slowest region's wait
+    rest = compute / p.utilization - p.time_to_first_batch_s - p.steps * p.io_wait_share_after_first_batch * step
+    return {
+        g.name: min(1.0, compute / (rest + g.time_to_first_batch_s + p.steps * g.io_wait_share_after_first_batch * step)) for g in p.regions
+    }
 
 
 def _choose(
     inputs: OptimizeInputs, r: RegionSpec, options: list[Placement], seen: dict[str, dict[str, Seen]], cfg: SimConfig
 ) -> RegionChoice:
-    rows: list[Row] = []
+    figures = []
     for p in options:
         s = seen[p.tier][r.name]
         if p.tier == "remote":
             usd = s.remote_bytes / 1e9 * price(inputs.source_region, r.name, cfg.prices)[0]
         else:
             usd = _copy_usd(inputs, r.name, cfg)
-        rows.append((p, s, usd))
-    ok = [x for x in rows if _breaks(inputs, x[1]) is None]
+        figures.append((p, s, usd))
+    # the start counts where some placement of this region meets it: else the sync misses the target, not the placement
+    start = any(breaks(inputs, s, start=True) is None for _, s, _ in figures)
+    rows: list[Row] = [(p, s, usd, breaks(inputs, s, start)) for p, s, usd in figures]
+    ok = [x for x in rows if x[3] is None]
     if ok:
-        cheapest = min(u for _, _, u in ok)
+        cheapest = min(x[2] for x in ok)
         best = min((x for x in ok if _same_cost(x[2], cheapest)), key=lambda x: x[0].rank)
     else:
         best = min(rows, key=lambda x: (x[1].io_wait, x[1].first_s, x[0].rank))
-    p, s, usd = best
+    p, s, usd, _ = best
     reason = _region_reason(inputs, r.name, best, rows)
     copy = usd if p.tier != "remote" else 0.0
-    return RegionChoice(r.name, r.ranks, p, copy, s.io_wait, reason)
+    return RegionChoice(r.name, r.ranks, p, copy, s.io_wait, reason, tuple(rows))
 
 
-def _breaks(inputs: OptimizeInputs, s: Seen) -> str | None:
-    """Why a placement cannot be taken (its IO wait, or its start holding the job under the
-    utilization target), or None."""
+def breaks(inputs: OptimizeInputs, s: Seen, start: bool) -> str | None:
+    """Why a placement cannot be taken (its IO wait, or, with ``start``, its first batch holding the
+    job under the utilization target), or None."""
     b = inputs.budgets
     if s.io_wait > b.io_wait:
         return f"waits {s.io_wait:.1%}"
-    if s.ceiling < b.utilization:
+    if start and s.ceiling < b.utilization:
         return f"starts in {s.first_s:,.1f} s: utilization at most {s.ceiling:.1%} < {b.utilization:.1%}"
     return None
 
@@ -232,15 +248,15 @@ def _same_cost(a: float, b: float) -> bool:
 
 
 def _region_reason(inputs: OptimizeInputs, region: str, best: Row, rows: list[Row]) -> str:
-    p, s, usd = best
+    p, s, usd, _ = best
     budget = inputs.budgets.io_wait
     cost = f"${usd:,.2f} of reads per epoch" if p.tier == "remote" else ("no copy" if usd == 0 else f"a copy ${usd:,.2f} per epoch")
     text = f"{p.label()}: IO wait {s.io_wait:.1%} {'<=' if s.io_wait <= budget else '>'} {budget:.0%}, {cost}"
     others = []
-    for q, w, u in rows:
+    for q, _, u, why in rows:
         if q == p:
             continue
-        if (why := _breaks(inputs, w)) is not None:
+        if why is not None:
             others.append(f"{q.label()} {why}")
         elif not _same_cost(u, usd):
             others.append(f"{q.label()} costs ${u:,.2f}")
