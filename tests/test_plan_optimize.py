@@ -104,6 +104,25 @@ def test_known_answer_the_slow_expensive_region_reads_nothing_across_and_diloco_
     assert written.region(SA).bucket == f"s3://corpus-{SA}/train"
 
 
+def test_a_placement_that_starts_too_late_for_the_target_is_refused_however_cheap(tmp_path: Path) -> None:
+    # At 100 ms steps and 10 KB samples, sa-east-1 reading across keeps its IO wait inside the budget
+    # but fetches its first 64 MB shard over 10 Mbit/s before step one: the whole job starts ~54 s
+    # late and misses 80%. Reading across is 5x cheaper than a copy; before the start counted, it
+    # was taken and no candidate met the budgets.
+    done = known(tmp_path, "--sample-bytes", 10_000, "--step-time", "100ms", "--steps", STEPS, "--utilization", TARGET, "--json")
+    assert done.returncode == 0, done.stderr
+    rep = json.loads(done.stdout)
+    across = _option(rep, SA, f"reads {US}'s bucket")
+    own = _option(rep, SA, "own bucket")
+    assert across["io_wait_share_after_first_batch"] <= 0.05 and across["usd_per_epoch"] < own["usd_per_epoch"]
+    assert across["time_to_first_batch_s"] > 30 and across["utilization_at_most"] < TARGET <= own["utilization_at_most"]
+    why = f"starts in {across['time_to_first_batch_s']:,.1f} s: utilization at most {across['utilization_at_most']:.1%} < 80.0%"
+    assert across["refused"] == why and f"reads {US}'s bucket {why}" in rep["regions"][SA]["reason"]
+    assert rep["regions"][SA]["placement"] != "remote" and own["refused"] is None
+    assert rep["meets_budgets"] and rep["predicted"]["utilization"]["share"] >= TARGET
+    assert rep["predicted"]["time_to_first_batch_s"] < across["time_to_first_batch_s"] / 10
+
+
 def test_the_answer_follows_the_matrix_on_fast_links_synchronous_training_wins(tmp_path: Path) -> None:
     plan, wan, prices = write_inputs(tmp_path)
     fast = re.sub(r"latency_ms = \d+", "latency_ms = 1", wan.read_text())
