@@ -189,6 +189,16 @@ def test_prediction_composes_the_parts() -> None:
     assert sum(e["bytes"] for e in rep["egress"]) == pytest.approx(ex.cross_bytes * cfg.steps, rel=1e-9)
 
 
+def test_diloco_in_region_sync_is_zero_only_without_a_peer_in_any_region() -> None:
+    k = Constants(bucket_s=0.01, trip_s=0.0, local_mb_s=1000.0)
+    alone = grad.step_exchange(three(sync="diloco", constants=k, tensor_params=(1_000_000,)))
+    assert alone == grad.GradStep(0.0, 0.0, ())  # no DDP all-reduce in a one-rank region, so no hook either
+    two = three(sync="diloco", constants=k, tensor_params=(1_000_000,), regions=(RegionSpec(US, 2), RegionSpec(EU, 1), RegionSpec(AP, 1)))
+    ex = grad.step_exchange(two)
+    ring = 2 * 1 * 4_000_000 / 2 / 1e9 + 2 * 1 * 0.0  # 2(n-1)/n of the 4 MB bucket at 1,000 MB/s, no per-message cost
+    assert ex.seconds == pytest.approx(ring + 0.01) and ex.cross_bytes == 0
+
+
 def test_simconfig_refuses_a_missing_link_and_a_bad_overlap() -> None:
     with pytest.raises(ConfigError, match="no link us-east-1 - ap-southeast-1"):
         three(links=(LinkSpec(US, EU, 38), LinkSpec(EU, AP, 85)))

@@ -89,6 +89,10 @@ def step_exchange(cfg: SimConfig, step: int = 0, idle_s: float = math.inf) -> Gr
         out = _hierarchical(cfg, sizes, 0.5 if fp16 else 1.0, idle_s)
     else:  # diloco: DDP inside each region only, a flat ring over the largest region's ranks
         largest = max(r.ranks for r in cfg.regions)
+        if largest < 2:
+            # No region has a peer: the trainer skips DDP's all-reduce there (branch util), so no
+            # hook runs either. Runs before that change measured the hook alone (10-22 ms a step).
+            return GradStep(0.0, 0.0, ())
         k = cfg.constants
         out = GradStep(ring_allreduce_s([float(b) for b in sizes], largest, [None], k, k.gloo_threads), 0.0, ())
     # The comm hook's own time per bucket (its cast, copy and the call into gloo), even alone in a region.
