@@ -132,6 +132,17 @@ def test_p2p_round_is_the_ring_bound_and_says_it_is_not_calibrated() -> None:
     assert outer.round_wait_s(3.0, 20, 0.25) == 0.0
 
 
+def test_the_last_round_is_waited_in_full_behind_overlap() -> None:
+    # 30 steps, H 10, overlap 5, 0.5 s a step: rounds start at 10 and 20 (hidden behind 2.5 s of
+    # steps) and at 30, which no step follows (3 s waited); 35 steps leave that one 5 steps (0.5 s).
+    cfg = three(sync="diloco", steps=30, outer_steps=10, outer_overlap=5)
+    assert outer.mean_round_wait_s(3.0, cfg, 0.5) == pytest.approx((0.5 + 0.5 + 3.0) / 3)
+    assert outer.mean_round_wait_s(3.0, three(sync="diloco", steps=35, outer_steps=10, outer_overlap=5), 0.5) == pytest.approx(0.5)
+    assert outer.mean_round_wait_s(3.0, three(sync="diloco", steps=30, outer_steps=10), 0.5) == 3.0  # no overlap
+    p = predict(three(sync="diloco", steps=30, outer_steps=10, outer_overlap=5, params=1000))
+    assert p.outer_sync_s_mean >= p.outer_round_s / 3 > 0  # the last round at least, over 3 rounds
+
+
 # -- loader and cost ---------------------------------------------------------------------------
 
 
