@@ -16,8 +16,8 @@ import pytest
 
 from geoshard.errors import ConfigError
 from geoshard.sim import Constants, LinkSpec, RegionSpec, SimConfig, cost, grad, links, loader, outer, predict
-from geoshard.sim.predict import compute_s
 from geoshard.sim.calibrated import dump_constants, load_constants
+from geoshard.sim.predict import compute_s
 
 GEOSHARD = str(Path(sys.executable).parent / "geoshard")
 US, EU, AP = "us-east-1", "eu-west-1", "ap-southeast-1"
