@@ -17,6 +17,7 @@ import pytest
 from geoshard.errors import ConfigError
 from geoshard.sim import Constants, LinkSpec, RegionSpec, SimConfig, cost, grad, links, loader, outer, predict
 from geoshard.sim.calibrated import dump_constants, load_constants
+from geoshard.sim.predict import compute_s
 
 GEOSHARD = str(Path(sys.executable).parent / "geoshard")
 US, EU, AP = "us-east-1", "eu-west-1", "ap-southeast-1"
@@ -208,6 +209,12 @@ def test_diloco_in_region_sync_is_zero_only_without_a_peer_in_any_region() -> No
     ex = grad.step_exchange(two)
     ring = 2 * 1 * 4_000_000 / 2 / 1e9 + 2 * 1 * 0.0  # 2(n-1)/n of the 4 MB bucket at 1,000 MB/s, no per-message cost
     assert ex.seconds == pytest.approx(ring + 0.01) and ex.cross_bytes == 0
+
+
+def test_overhead_is_paid_per_micro_batch_and_step_time_per_step() -> None:
+    k = Constants(cpu_gflops=1.0, step_overhead_s=0.05)
+    cfg = three(sync="flat", step_time=0.2, batch_size=10, accum_steps=4, constants=k)
+    assert compute_s(cfg) == pytest.approx(6 * 1_000_000 * 40 / 1e9 + 0.2 + 4 * 0.05)
 
 
 def test_simconfig_refuses_a_missing_link_and_a_bad_overlap() -> None:
