@@ -195,7 +195,11 @@ def run_one(spec: Spec, wan: Any, net: Any, endpoints: dict[str, str], env: dict
     measured = {**figures(rep), "wan_bytes": sum(crossed.values())}
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
     load = round(os.getloadavg()[0], 1)  # the 1-minute load as the run ends: the host slowdown it ran at
-    return {"spec": spec.__dict__, "seconds": round(seconds, 1), "measured": measured, "pairs": crossed, "plan": str(plan), "load": load}
+    # Each round's wait (the slowest region's), not compared: the first one also waits for the
+    # regions' start-up skew, which a model of it would be fitted from.
+    rounds = [r["sync_s"] for r in (rep.get("outer") or {}).get("rounds", [])]
+    row = {"spec": spec.__dict__, "seconds": round(seconds, 1), "measured": measured, "pairs": crossed, "plan": str(plan), "load": load}
+    return {**row, "outer_rounds_s": rounds}
 
 
 def predict_one(row: dict[str, Any], constants: Path, args: argparse.Namespace) -> dict[str, float | None]:
