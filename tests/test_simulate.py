@@ -17,6 +17,7 @@ import pytest
 from geoshard.errors import ConfigError
 from geoshard.sim import Constants, LinkSpec, RegionSpec, SimConfig, cost, grad, links, loader, outer, predict
 from geoshard.sim.calibrated import dump_constants, load_constants
+from geoshard.sim.predict import compute_s
 
 GEOSHARD = str(Path(sys.executable).parent / "geoshard")
 US, EU, AP = "us-east-1", "eu-west-1", "ap-southeast-1"
@@ -155,6 +156,17 @@ def test_a_group_of_one_rank_exchanges_nothing() -> None:
     assert grad.step_exchange(two).seconds > 0.0  # us-east-1's two ranks still all-reduce
 
 
+def test_the_last_round_is_waited_in_full_behind_overlap() -> None:
+    # 30 steps, H 10, overlap 5, 0.5 s a step: rounds start at 10 and 20 (hidden behind 2.5 s of
+    # steps) and at 30, which no step follows (3 s waited); 35 steps leave that one 5 steps (0.5 s).
+    cfg = three(sync="diloco", steps=30, outer_steps=10, outer_overlap=5)
+    assert outer.mean_round_wait_s(3.0, cfg, 0.5) == pytest.approx((0.5 + 0.5 + 3.0) / 3)
+    assert outer.mean_round_wait_s(3.0, three(sync="diloco", steps=35, outer_steps=10, outer_overlap=5), 0.5) == pytest.approx(0.5)
+    assert outer.mean_round_wait_s(3.0, three(sync="diloco", steps=30, outer_steps=10), 0.5) == 3.0  # no overlap
+    p = predict(three(sync="diloco", steps=30, outer_steps=10, outer_overlap=5, params=1000))
+    assert p.outer_sync_s_mean >= p.outer_round_s / 3 > 0  # the last round at least, over 3 rounds
+
+
 # -- loader and cost ---------------------------------------------------------------------------
 
 
@@ -210,6 +222,22 @@ def test_prediction_composes_the_parts() -> None:
     assert rep["utilization"]["share"] == pytest.approx(p.utilization, abs=1e-6)
     assert rep["outer"] is None and rep["sync"] == "flat" and set(rep["regions"]) == {US, EU, AP}
     assert sum(e["bytes"] for e in rep["egress"]) == pytest.approx(ex.cross_bytes * cfg.steps, rel=1e-9)
+
+
+def test_diloco_in_region_sync_is_zero_only_without_a_peer_in_any_region() -> None:
+    k = Constants(bucket_s=0.01, trip_s=0.0, local_mb_s=1000.0)
+    alone = grad.step_exchange(three(sync="diloco", constants=k, tensor_params=(1_000_000,)))
+    assert alone == grad.GradStep(0.0, 0.0, ())  # no DDP all-reduce in a one-rank region, so no hook either
+    two = three(sync="diloco", constants=k, tensor_params=(1_000_000,), regions=(RegionSpec(US, 2), RegionSpec(EU, 1), RegionSpec(AP, 1)))
+    ex = grad.step_exchange(two)
+    ring = 2 * 1 * 4_000_000 / 2 / 1e9 + 2 * 1 * 0.0  # 2(n-1)/n of the 4 MB bucket at 1,000 MB/s, no per-message cost
+    assert ex.seconds == pytest.approx(ring + 0.01) and ex.cross_bytes == 0
+
+
+def test_overhead_is_paid_per_micro_batch_and_step_time_per_step() -> None:
+    k = Constants(cpu_gflops=1.0, step_overhead_s=0.05)
+    cfg = three(sync="flat", step_time=0.2, batch_size=10, accum_steps=4, constants=k)
+    assert compute_s(cfg) == pytest.approx(6 * 1_000_000 * 40 / 1e9 + 0.2 + 4 * 0.05)
 
 
 def test_simconfig_refuses_a_missing_link_and_a_bad_overlap() -> None:

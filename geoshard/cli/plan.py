@@ -195,6 +195,17 @@ def proposal_json(proposal: Any, inputs: Any, out: Path, train: list[str], steps
                 "copy_usd_per_epoch": round(r.copy_usd, 4),
                 "io_wait_share_after_first_batch": round(r.io_wait, 6),
                 "reason": r.reason,
+                "options": [
+                    {
+                        "placement": q.label(),
+                        "io_wait_share_after_first_batch": round(f.io_wait, 6),
+                        "time_to_first_batch_s": round(f.first_s, 6),
+                        "utilization_at_most": round(f.ceiling, 6),
+                        "usd_per_epoch": round(usd, 4),
+                        "refused": why,
+                    }
+                    for q, f, usd, why in r.options
+                ],
             }
             for r in c.regions
         },
@@ -205,6 +216,17 @@ def proposal_json(proposal: Any, inputs: Any, out: Path, train: list[str], steps
         "copy_usd_per_epoch": round(c.copy_usd, 4),
         "predicted": rep,
         "rejected": [{"candidate": a, "why": w} for a, w in proposal.alternatives],
+        "candidates": [
+            {
+                "candidate": x.sync.label(),
+                "train_args": x.sync.train_args(),
+                "utilization": round(x.prediction.utilization, 6),
+                "io_wait_share_after_first_batch": round(x.prediction.io_wait_share_after_first_batch, 6),
+                "egress_usd_per_epoch": round(x.egress_usd, 4),
+                "meets_budgets": x.feasible,
+            }
+            for x in proposal.found
+        ],
         "search": {"candidates": proposal.candidates, "predictions": proposal.predictions, "seconds": round(proposal.seconds, 4)},
         "source_region": inputs.source_region,
         "epochs": inputs.epochs,

@@ -5,6 +5,11 @@ Costs under ``TOLERANCE`` apart count as equal, and then the choice closer to sy
 training wins (``SyncChoice.fidelity``): a larger H or a lossy compression is taken only for
 what it saves. With no candidate inside the budgets, the one with the smallest sum of relative
 shortfalls is proposed, and each budget it misses is said with its shortfall.
+
+A region's placement must keep its IO wait inside the budget and start soon enough: the job's
+first batch is the slowest region's, so a placement whose first batch alone would hold the whole
+job under the utilization target (a shard fetched over a slow link before step one) is refused
+like one that waits too long, however cheap.
 """
 
 from __future__ import annotations
@@ -46,6 +51,19 @@ class BudgetCheck:
 
 
 @dataclass(frozen=True)
+class Seen:
+    """One region under one kind of placement, as that kind's prediction has it."""
+
+    io_wait: float  # share after the first batch
+    remote_bytes: float  # read from another region's bucket
+    first_s: float  # its time to the first batch
+    ceiling: float  # the job's utilization at most, were this region's first batch the job's
+
+
+Row = tuple[Placement, Seen, float, str | None]  # a placement, its figures, its USD per epoch, why it was refused
+
+
+@dataclass(frozen=True)
 class RegionChoice:
     name: str
     ranks: int
@@ -53,6 +71,7 @@ class RegionChoice:
     copy_usd: float  # the one copy into the region's own storage, per epoch (spread over --epochs)
     io_wait: float  # its IO wait share with this placement, as predicted when it was chosen
     reason: str
+    options: tuple[Row, ...] = ()  # every placement it had, with its figures and USD per epoch
 
 
 @dataclass(frozen=True)
@@ -93,6 +112,7 @@ class Proposal:
     candidates: int
     predictions: int
     seconds: float
+    found: tuple[Candidate, ...] = ()  # every candidate predicted, in the grid's order
 
     @property
     def feasible(self) -> bool:
@@ -121,6 +141,7 @@ def optimize(inputs: OptimizeInputs) -> Proposal:
         candidates=len(found),
         predictions=calls,
         seconds=time.perf_counter() - t0,
+        found=tuple(found),
     )
 
 
@@ -149,40 +170,70 @@ def place_regions(inputs: OptimizeInputs, cfg: SimConfig) -> tuple[tuple[RegionC
     region on it (a region's loader does not depend on another's tier), then a choice per region."""
     options = {r.name: _options(inputs, r.name) for r in cfg.regions}
     kinds = [t for t in (*TIERS, "remote") if any(p.tier == t for ps in options.values() for p in ps)]
-    seen: dict[str, dict[str, tuple[float, float]]] = {}  # kind -> region -> (io wait share, cross-region bytes)
+    seen: dict[str, dict[str, Seen]] = {}  # kind -> region -> what its prediction says of the region
     for kind in kinds:
         specs = []
         for r in cfg.regions:
             mine = [p for p in options[r.name] if p.tier == kind]
             specs.append(_as_spec(r, mine[0]) if mine else replace(r, tier="s3", data_region=None))
         p = predict(replace(cfg, regions=tuple(specs)))
-        seen[kind] = {g.name: (g.io_wait_share_after_first_batch, g.cross_region_data_bytes) for g in p.regions}
+        ceilings = _ceilings(p)
+        seen[kind] = {
+            g.name: Seen(g.io_wait_share_after_first_batch, g.cross_region_data_bytes, g.time_to_first_batch_s, ceilings[g.name])
+            for g in p.regions
+        }
     chosen = tuple(_choose(inputs, r, options[r.name], seen, cfg) for r in cfg.regions)
     return chosen, len(kinds)
 
 
+def _ceilings(p: Prediction) -> dict[str, float]:
+    """Per region, the job's utilization were its first batch the job's and its IO wait the job's:
+    what the region's placement alone allows, whatever the other regions' placements."""
+    compute = p.steps * p.compute_s_per_step
+    if compute <= 0 or p.utilization <= 0:
+        return {g.name: 1.0 for g in p.regions}
+    step = p.step_s - p.outer_round_count * p.outer_sync_s_mean / p.steps  # compute, exchange, the slowest region's wait
+    rest = compute / p.utilization - p.time_to_first_batch_s - p.steps * p.io_wait_share_after_first_batch * step
+    return {
+        g.name: min(1.0, compute / (rest + g.time_to_first_batch_s + p.steps * g.io_wait_share_after_first_batch * step)) for g in p.regions
+    }
+
+
 def _choose(
-    inputs: OptimizeInputs, r: RegionSpec, options: list[Placement], seen: dict[str, dict[str, tuple[float, float]]], cfg: SimConfig
+    inputs: OptimizeInputs, r: RegionSpec, options: list[Placement], seen: dict[str, dict[str, Seen]], cfg: SimConfig
 ) -> RegionChoice:
-    budget = inputs.budgets.io_wait
-    rows = []
+    figures = []
     for p in options:
-        wait, remote_bytes = seen[p.tier][r.name]
+        s = seen[p.tier][r.name]
         if p.tier == "remote":
-            usd = remote_bytes / 1e9 * price(inputs.source_region, r.name, cfg.prices)[0]
+            usd = s.remote_bytes / 1e9 * price(inputs.source_region, r.name, cfg.prices)[0]
         else:
             usd = _copy_usd(inputs, r.name, cfg)
-        rows.append((p, wait, usd))
-    ok = [x for x in rows if x[1] <= budget]
+        figures.append((p, s, usd))
+    # the start counts where some placement of this region meets it: else the sync misses the target, not the placement
+    start = any(breaks(inputs, s, start=True) is None for _, s, _ in figures)
+    rows: list[Row] = [(p, s, usd, breaks(inputs, s, start)) for p, s, usd in figures]
+    ok = [x for x in rows if x[3] is None]
     if ok:
-        cheapest = min(u for _, _, u in ok)
+        cheapest = min(x[2] for x in ok)
         best = min((x for x in ok if _same_cost(x[2], cheapest)), key=lambda x: x[0].rank)
     else:
-        best = min(rows, key=lambda x: (x[1], x[0].rank))
-    p, wait, usd = best
-    reason = _region_reason(inputs, r.name, best, rows, budget)
+        best = min(rows, key=lambda x: (x[1].io_wait, x[1].first_s, x[0].rank))
+    p, s, usd, _ = best
+    reason = _region_reason(inputs, r.name, best, rows)
     copy = usd if p.tier != "remote" else 0.0
-    return RegionChoice(r.name, r.ranks, p, copy, wait, reason)
+    return RegionChoice(r.name, r.ranks, p, copy, s.io_wait, reason, tuple(rows))
+
+
+def breaks(inputs: OptimizeInputs, s: Seen, start: bool) -> str | None:
+    """Why a placement cannot be taken (its IO wait, or, with ``start``, its first batch holding the
+    job under the utilization target), or None."""
+    b = inputs.budgets
+    if s.io_wait > b.io_wait:
+        return f"waits {s.io_wait:.1%}"
+    if start and s.ceiling < b.utilization:
+        return f"starts in {s.first_s:,.1f} s: utilization at most {s.ceiling:.1%} < {b.utilization:.1%}"
+    return None
 
 
 def _copy_usd(inputs: OptimizeInputs, region: str, cfg: SimConfig) -> float:
@@ -196,18 +247,17 @@ def _same_cost(a: float, b: float) -> bool:
     return abs(a - b) <= max(TOLERANCE_USD, TOLERANCE_SHARE * min(a, b))
 
 
-def _region_reason(
-    inputs: OptimizeInputs, region: str, best: tuple[Placement, float, float], rows: list[tuple[Placement, float, float]], budget: float
-) -> str:
-    p, wait, usd = best
+def _region_reason(inputs: OptimizeInputs, region: str, best: Row, rows: list[Row]) -> str:
+    p, s, usd, _ = best
+    budget = inputs.budgets.io_wait
     cost = f"${usd:,.2f} of reads per epoch" if p.tier == "remote" else ("no copy" if usd == 0 else f"a copy ${usd:,.2f} per epoch")
-    text = f"{p.label()}: IO wait {wait:.1%} {'<=' if wait <= budget else '>'} {budget:.0%}, {cost}"
+    text = f"{p.label()}: IO wait {s.io_wait:.1%} {'<=' if s.io_wait <= budget else '>'} {budget:.0%}, {cost}"
     others = []
-    for q, w, u in rows:
+    for q, _, u, why in rows:
         if q == p:
             continue
-        if w > budget:
-            others.append(f"{q.label()} waits {w:.1%}")
+        if why is not None:
+            others.append(f"{q.label()} {why}")
         elif not _same_cost(u, usd):
             others.append(f"{q.label()} costs ${u:,.2f}")
         else:

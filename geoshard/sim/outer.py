@@ -15,7 +15,8 @@ a ring all-reduce among the m leaders, sharded over ``streams`` connections per 
 2(m-1)/m·P/(bandwidth·streams_efficiency) + 2(m-1) trips. Not yet calibrated.
 
 With ``outer_overlap`` K the exchange runs behind K inner steps: the job waits
-max(0, round - K·step) per round (what report.json's ``outer.sync_s_mean`` then holds).
+max(0, round - K·step) per round, where K is at most the steps left after the round's start (a
+round at the last step is waited in full); report.json's ``outer.sync_s_mean`` is their mean.
 """
 
 from __future__ import annotations
@@ -80,3 +81,13 @@ def exchange_round(cfg: SimConfig) -> OuterRound:
 def round_wait_s(round_s: float, overlap_steps: int, step_s: float) -> float:
     """What the job waits per round once the exchange runs behind ``overlap_steps`` inner steps."""
     return max(0.0, round_s - overlap_steps * step_s)
+
+
+def mean_round_wait_s(round_s: float, cfg: SimConfig, step_s: float) -> float:
+    """The wait per round over the run. A round starting at step s hides behind at most the
+    steps left after it: the trainer takes a round still in flight after the last step
+    (trainer/diloco/rank.py, ``finish``), so with steps a multiple of H the last round is waited
+    in full even with ``--outer-overlap``."""
+    starts = range(cfg.outer_steps, cfg.steps + 1, cfg.outer_steps)
+    waits = [round_wait_s(round_s, min(cfg.outer_overlap, cfg.steps - s), step_s) for s in starts]
+    return sum(waits) / len(waits) if waits else 0.0

@@ -1,7 +1,7 @@
 """Composes the model's parts into one ``Prediction`` whose fields carry report.json's names.
 
 Per rank and optimizer step: compute = the model's forward and backward (6 x params x samples
-flops at ``cpu_gflops``) + ``--step-time`` + the loop's own ``step_overhead_s``; then the gradient
+flops at ``cpu_gflops``) + ``--step-time`` + the loop's own ``step_overhead_s`` per micro-batch; then the gradient
 exchange (grad.py), the IO wait after the first batch (loader.py), checkpoints, and under DiLoCo
 the rounds' waits (outer.py) spread over their H steps. A rank's wall time is the first batch plus
 its steps; utilization is compute over wall, as report.json computes it.
@@ -99,10 +99,13 @@ class Prediction:
 
 
 def compute_s(cfg: SimConfig) -> float:
-    """One optimizer step's compute on one rank, without any exchange."""
+    """One optimizer step's compute on one rank, without any exchange. ``step_overhead_s`` is paid
+    per micro-batch: each is its own forward and backward, batch hand-off and turn of the loop
+    (on a loaded host, its own wait for a core); ``--step-time`` once per optimizer step, as the
+    trainer sleeps it (trainer/loop.py)."""
     k = cfg.constants
     samples = cfg.batch_size * cfg.accum_steps
-    return 6 * cfg.params * samples / (k.cpu_gflops * 1e9) + cfg.step_time + k.step_overhead_s
+    return 6 * cfg.params * samples / (k.cpu_gflops * 1e9) + cfg.step_time + cfg.accum_steps * k.step_overhead_s
 
 
 def predict(cfg: SimConfig) -> Prediction:
@@ -117,7 +120,7 @@ def predict(cfg: SimConfig) -> Prediction:
     step = busy + wait
     rnd = outer.exchange_round(cfg) if cfg.sync == "diloco" else outer.OuterRound(0.0, 0.0, ())
     rounds = cfg.steps // cfg.outer_steps if cfg.sync == "diloco" and len(cfg.regions) > 1 else 0
-    round_wait = outer.round_wait_s(rnd.seconds, cfg.outer_overlap, step)
+    round_wait = outer.mean_round_wait_s(rnd.seconds, cfg, step) if rounds else 0.0
     first = max(x.time_to_first_batch_s for x in loaders)
     wall = first + cfg.steps * step + rounds * round_wait
     utilization = min(1.0, cfg.steps * compute / wall) if wall > 0 else 0.0
