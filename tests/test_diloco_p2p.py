@@ -172,6 +172,11 @@ def test_geoshard_train_with_the_p2p_transport_trains_and_keeps_bulk_bytes_out_o
             assert x["transport"] == "p2p" and not x["adopted"] and x["missing"] == [] and "left_out" not in x
             # membership, rendezvous and MAC keys only: far below one pseudo-gradient
             assert 0 < x["store_bytes"] < 100_000, x
+            # where the round's time went: every phase a member passes through, none negative, and
+            # together no more than the exchange itself
+            ph = x["phases"]
+            assert {"members", "groups", "mac_publish", "transfer", "mac_check", "step", "gather"} <= set(ph), ph
+            assert min(ph.values()) >= 0 and sum(ph.values()) <= x["exchange_s"] + 0.01, (ph, x["exchange_s"])
             assert x["applied_step"] == min(x["step"] + overlap, steps)  # the last round is taken at the end
 
 
