@@ -256,6 +256,36 @@ def test_a_region_killed_mid_exchange_is_dropped_within_the_bound_and_the_others
 
 
 @pytest.mark.slow
+def test_a_region_stopped_mid_exchange_is_dropped_within_10_s_of_its_deadline_and_the_others_finish(tmp_path: Path) -> None:
+    """SIGSTOP, not SIGKILL: its sockets stay open, so nothing fails at once; gloo's timeout (the
+    round's, 20 s in the job) is the deadline, after which the survivors redo the round without it."""
+    from geoshard.trainer.diloco.membership import REDO_WAIT_S
+
+    store = host_store("127.0.0.1", timeout_s=60)
+    members = "us-east-1:1,eu-west-1:2,ap-southeast-1:1"
+    procs = start_ranks("stop", members, tmp_path, store.port)
+    try:
+        codes = [p.wait(timeout=300) for p in procs[:3]]
+        assert codes == [0, 0, 0], "\n".join(f.read_text()[-3000:] for f in tmp_path.glob("*.log"))
+        assert procs[3].poll() is None  # still there, stopped
+    finally:
+        procs[3].kill()
+        procs[3].wait(timeout=30)
+    stopped_at = float((tmp_path / "killed-ap-southeast-1-0").read_text())
+    deadline_s = 20.0  # the job's round_timeout_s: gloo's bound on every collective
+    for name in ("us-east-1-0", "eu-west-1-0", "eu-west-1-1"):
+        recs = records(tmp_path, name)
+        assert [r["round"] for r in recs] == [1, 2, 3, 4]
+        assert recs[0]["regions"] == ["us-east-1", "eu-west-1", "ap-southeast-1"]
+        for r in recs[1:]:
+            assert r["regions"] == ["us-east-1", "eu-west-1"] and r["missing"] == ["ap-southeast-1"] and "left_out" not in r, r
+        late = recs[1]["time"] - stopped_at - deadline_s
+        assert late < 10.0, late  # dropped within 10 s after the deadline
+        assert recs[2]["exchange_s"] < REDO_WAIT_S, recs[2]  # and never waited for again
+        assert "Traceback" not in (tmp_path / f"{name}.log").read_text()
+
+
+@pytest.mark.slow
 def test_a_region_that_rejoins_gets_the_outer_state_peer_to_peer_and_the_store_carries_under_1_mb_a_round(tmp_path: Path) -> None:
     store = host_store("127.0.0.1", timeout_s=60)
     members = "us-east-1:1,eu-west-1:2,ap-southeast-1:1"
