@@ -165,7 +165,7 @@ def _row(res: dict, crossed: dict[str, int], load: float, ppr: int, wan: Rehears
 
 
 def _print_row(r: dict) -> None:
-    extra = "".join(f"\n    torchft in {region}: {ph}" for region, ph in r.get("phases_s", {}).items())
+    extra = "".join(f"\n    {r['variant']} in {region}: {ph}" for region, ph in r.get("phases_s", {}).items())
     fill = "-" if r["fill"] is None else f"{r['fill']:.0%}"
     print(
         f"{r['variant']:>10} ppr {r['ppr']} {r['mb']:>6.1f} MB: {r['median_s']:7.2f} s ({len(r['times_s'])} runs), bound "
@@ -193,8 +193,9 @@ def table(res: dict) -> str:
         )
     ft = [r for r in res["rows"] if r.get("phases_s")]
     if ft:
-        lines += ["", "torchft per round, seconds (medians; first_*: the first round, which forms the quorum and its group):"]
-        lines += [f"- {r['mb']:g} MB, {region}: {ph}" for r in ft for region, ph in r["phases_s"].items()]
+        lines += ["", "phases per round, seconds (medians; first_*: the first round, which forms torchft's quorum and group):"]
+        for r in ft:
+            lines += [f"- {r['variant']}, {r['ppr']} ranks/region, {r['mb']:g} MB, {region}: {ph}" for region, ph in r["phases_s"].items()]
     return "\n".join(lines)
 
 
