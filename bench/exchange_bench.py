@@ -10,6 +10,10 @@ exchange, no warm-up), each timed from a barrier to the last rank's end, of:
 - ``streams-K``: the tensor in K chunks, each all-reduced at once on its own gloo group;
 - ``sharded-K`` (``--ppr 2``: two processes per region): process k of every region all-reduces
   half k in K streams, then each region's processes all-gather in the region (no link crossed);
+- ``trainer-K`` (``--ppr`` 1 and 2): the trainer's own p2p path (trainer/diloco/sharded.py and
+  mac.py): groups reused, K streams per region pair split over the shards, the MAC projections
+  published in the store during the transfer and checked after it, then the in-region gather;
+  each phase timed;
 - ``torchft``: torchft 0.2.0 from its own venv (``--torchft-python``): a Lighthouse on us-east-1's
   address, a Manager per region, per round ``start_quorum``, ``allreduce`` (the average) and
   ``should_commit``, each phase timed.
@@ -150,7 +154,7 @@ def _row(res: dict, crossed: dict[str, int], load: float, ppr: int, wan: Rehears
         "link_bytes": {k: round(v / len(times)) for k, v in crossed.items()},  # the control traffic, unrounded
         "load_1min": round(load, 2),
     }
-    if "phases_s" in res:  # torchft: per region, each phase's median, and the first round's
+    if "phases_s" in res:  # torchft and trainer-K: per region, each phase's median, and the first round's
         names = dict(enumerate(REGIONS))
         row["phases_s"] = {
             names[int(r)]: {k: v if k.startswith("first_") else round(statistics.median(v), 3) for k, v in ph.items()}
@@ -161,7 +165,7 @@ def _row(res: dict, crossed: dict[str, int], load: float, ppr: int, wan: Rehears
 
 
 def _print_row(r: dict) -> None:
-    extra = "".join(f"\n    torchft in {region}: {ph}" for region, ph in r.get("phases_s", {}).items())
+    extra = "".join(f"\n    {r['variant']} in {region}: {ph}" for region, ph in r.get("phases_s", {}).items())
     fill = "-" if r["fill"] is None else f"{r['fill']:.0%}"
     print(
         f"{r['variant']:>10} ppr {r['ppr']} {r['mb']:>6.1f} MB: {r['median_s']:7.2f} s ({len(r['times_s'])} runs), bound "
@@ -189,8 +193,9 @@ def table(res: dict) -> str:
         )
     ft = [r for r in res["rows"] if r.get("phases_s")]
     if ft:
-        lines += ["", "torchft per round, seconds (medians; first_*: the first round, which forms the quorum and its group):"]
-        lines += [f"- {r['mb']:g} MB, {region}: {ph}" for r in ft for region, ph in r["phases_s"].items()]
+        lines += ["", "phases per round, seconds (medians; first_*: the first round, which forms torchft's quorum and group):"]
+        for r in ft:
+            lines += [f"- {r['variant']}, {r['ppr']} ranks/region, {r['mb']:g} MB, {region}: {ph}" for region, ph in r["phases_s"].items()]
     return "\n".join(lines)
 
 
@@ -205,6 +210,8 @@ def _plans(args: argparse.Namespace, variants: list[str]) -> list[tuple[str, int
     out = []
     one = [v for v in variants if v == "ring" or v.startswith("streams-")]
     two = [v for v in variants if v.startswith("sharded-")]
+    trainer = [v for v in variants if v.startswith("trainer-")]  # 1 and 2 ranks per region
+    one, two = one + trainer, two + trainer
     if one:
         out.append(("gloo", 1, plan(one)))
     if two:

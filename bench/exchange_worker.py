@@ -45,6 +45,7 @@ class Ctx:
         self.manager: Any = None  # torchft's Manager, one per region
         self.lighthouse: Any = None  # torchft's Lighthouse (rank 0 only)
         self.group_store: Any = None  # the region's own store, which torchft's Manager joins
+        self.trainer: Any = None  # trainer-K: (store, layout, groups, region group, signer, calls)
 
 
 def _rendezvous(ctx: Ctx) -> None:
@@ -59,6 +60,8 @@ def _groups(ctx: Ctx, variants: list[str]) -> None:
     leaders = list(range(n))
     k_streams = max([_streams(v) for v in variants if v.startswith("streams-")] or [1])
     s_streams = max([_streams(v) for v in variants if v.startswith("sharded-")] or [0])
+    if any(v.startswith("trainer-") for v in variants):
+        s_streams = max(s_streams, 1)  # the region groups (the trainer's own cross groups come from the store)
     ctx.ring = dist.new_group(leaders, timeout=ctx.timeout)
     ctx.streams = [ctx.ring] + [dist.new_group(leaders, timeout=ctx.timeout) for _ in range(k_streams - 1)]
     if s_streams:
@@ -93,6 +96,54 @@ def exchange_gloo(ctx: Ctx, variant: str, t: torch.Tensor) -> None:
             dist.all_gather(halves, mine, group=ctx.local[ctx.region])
     else:
         raise ValueError(f"unknown variant {variant!r}")
+
+
+def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, list[float]]) -> None:
+    """``trainer-K``: the trainer's own p2p path (trainer/diloco/sharded.py and mac.py, as p2p.py
+    runs them): its shards' groups made once and reused, each shard in the chunks ``K`` streams per
+    region pair give, the MAC projections of the contribution signed and published in the store while
+    the chunks travel, the sum checked against every region's, then the in-region gather. Geoshard
+    is imported here only, so the torchft venv never needs it."""
+    from geoshard.trainer.diloco import mac
+    from geoshard.trainer.diloco.auth import Signer
+    from geoshard.trainer.diloco.groups import Bind, GroupCache
+    from geoshard.trainer.diloco.sharded import Membership, ShardGroups, gather_in_region, make_groups, start_allreduce
+    from geoshard.trainer.diloco.shards import Layout
+
+    if ctx.trainer is None:  # once per variant and size, as the trainer does per membership
+        store = dist.distributed_c10d._get_default_store()
+        layout = Layout(t.numel(), ctx.ppr, ctx.ppr, ctx.k)
+        members = Membership(tuple((str(r), ctx.ppr) for r in range(ctx.n)), "bench")
+        bind = Bind(hostname=ctx.args.address)
+        prefix, timeout = f"trainer/{variant}/{t.numel()}", ctx.args.timeout
+        groups = ShardGroups(store, prefix, layout, members, str(ctx.region), _streams(variant), bind, timeout, GroupCache())
+        make_groups(groups, layout.mine)
+        region = ctx.local[ctx.region] if ctx.ppr > 1 else None
+        ctx.trainer = (store, layout, groups, region, Signer(b"exchange-bench-secret-0123456789abcdef"), [0])
+    store, layout, groups, region, signer, count = ctx.trainer
+    count[0] += 1
+    tag = f"{variant}/{t.numel()}/{count[0]}"
+    t0 = time.perf_counter()
+    values = {s: t[slice(*layout.span(s))] for s in layout.mine}
+    contributed = {s: v.clone() for s, v in values.items()}
+    works, _ = start_allreduce(groups, values)
+    for s, v in contributed.items():
+        store.set(f"trainer/mac/{tag}/{s}/{ctx.region}", mac.encode_projections(mac.project(signer, tag, s, v)))
+    t1 = time.perf_counter()
+    _wait_all(works)
+    t2 = time.perf_counter()
+    for s, v in values.items():
+        keys = [f"trainer/mac/{tag}/{s}/{r}" for r in range(ctx.n)]
+        store.wait(keys, ctx.timeout)
+        published = [mac.decode_projections(x) for x in store.multi_get(keys)]
+        mac.check(signer, tag, s, v, published, "fp16")
+    t3 = time.perf_counter()
+    if region is not None:
+        full, _ = gather_in_region(region, layout, {s: v.float() for s, v in values.items()})
+        t.copy_(full)
+    t4 = time.perf_counter()
+    for name, a, b in (("mac_publish", t0, t1), ("transfer", t1, t2), ("mac_check", t2, t3), ("gather", t3, t4)):
+        phases.setdefault(name, []).append(b - a)
 
 
 def exchange_geoshard(ctx: Ctx, variant: str, t: torch.Tensor) -> None:
@@ -178,6 +229,12 @@ def measure(ctx: Ctx, variant: str, nbytes: int, warmup: int, repeats: int) -> d
 
         def run() -> None:
             exchange_torchft(ctx, variant, t, phases)
+    elif variant.startswith("trainer-"):
+        expect = SUM[ctx.n]
+        ctx.trainer = None
+
+        def run() -> None:
+            exchange_trainer(ctx, variant, t, phases)
     else:
         expect = SUM[ctx.n]
         # The ring stays gloo's: it is the baseline any transport is measured against.

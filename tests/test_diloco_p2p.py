@@ -172,6 +172,11 @@ def test_geoshard_train_with_the_p2p_transport_trains_and_keeps_bulk_bytes_out_o
             assert x["transport"] == "p2p" and not x["adopted"] and x["missing"] == [] and "left_out" not in x
             # membership, rendezvous and MAC keys only: far below one pseudo-gradient
             assert 0 < x["store_bytes"] < 100_000, x
+            # where the round's time went: every phase a member passes through, none negative, and
+            # together no more than the exchange itself
+            ph = x["phases"]
+            assert {"members", "groups", "mac_publish", "transfer", "mac_check", "step", "gather"} <= set(ph), ph
+            assert min(ph.values()) >= 0 and sum(ph.values()) <= x["exchange_s"] + 0.01, (ph, x["exchange_s"])
             assert x["applied_step"] == min(x["step"] + overlap, steps)  # the last round is taken at the end
 
 
@@ -248,6 +253,36 @@ def test_a_region_killed_mid_exchange_is_dropped_within_the_bound_and_the_others
         # round 3 does not wait for it (its roster entry is -1)
         assert recs[2]["exchange_s"] < REDO_WAIT_S, recs[2]
     assert (tmp_path / "ap-southeast-1-0.jsonl").read_text().count("\n") == 1
+
+
+@pytest.mark.slow
+def test_a_region_stopped_mid_exchange_is_dropped_within_10_s_of_its_deadline_and_the_others_finish(tmp_path: Path) -> None:
+    """SIGSTOP, not SIGKILL: its sockets stay open, so nothing fails at once; gloo's timeout (the
+    round's, 20 s in the job) is the deadline, after which the survivors redo the round without it."""
+    from geoshard.trainer.diloco.membership import REDO_WAIT_S
+
+    store = host_store("127.0.0.1", timeout_s=60)
+    members = "us-east-1:1,eu-west-1:2,ap-southeast-1:1"
+    procs = start_ranks("stop", members, tmp_path, store.port)
+    try:
+        codes = [p.wait(timeout=300) for p in procs[:3]]
+        assert codes == [0, 0, 0], "\n".join(f.read_text()[-3000:] for f in tmp_path.glob("*.log"))
+        assert procs[3].poll() is None  # still there, stopped
+    finally:
+        procs[3].kill()
+        procs[3].wait(timeout=30)
+    stopped_at = float((tmp_path / "killed-ap-southeast-1-0").read_text())
+    deadline_s = 20.0  # the job's round_timeout_s: gloo's bound on every collective
+    for name in ("us-east-1-0", "eu-west-1-0", "eu-west-1-1"):
+        recs = records(tmp_path, name)
+        assert [r["round"] for r in recs] == [1, 2, 3, 4]
+        assert recs[0]["regions"] == ["us-east-1", "eu-west-1", "ap-southeast-1"]
+        for r in recs[1:]:
+            assert r["regions"] == ["us-east-1", "eu-west-1"] and r["missing"] == ["ap-southeast-1"] and "left_out" not in r, r
+        late = recs[1]["time"] - stopped_at - deadline_s
+        assert late < 10.0, late  # dropped within 10 s after the deadline
+        assert recs[2]["exchange_s"] < REDO_WAIT_S, recs[2]  # and never waited for again
+        assert "Traceback" not in (tmp_path / f"{name}.log").read_text()
 
 
 @pytest.mark.slow

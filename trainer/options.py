@@ -101,10 +101,10 @@ _OPTIONS = [
     ),
     click.option(
         "--outer-streams",
-        default=4,
+        default=8,
         show_default=True,
         type=int,
-        help="DiLoCo p2p: concurrent all-reduces (TCP streams) per shard and pair of peers.",
+        help="DiLoCo p2p: concurrent all-reduces (TCP streams) per pair of regions, split over a region's ranks.",
     ),
     click.option("--outer-wan", help="DiLoCo p2p: a WAN matrix (TOML) whose bandwidths order the exchange's rings (--wan sets it)."),
     click.option(

@@ -8,7 +8,8 @@ argv: MODE REGION RANK STORE_PORT MEMBERS COMPRESSION OUT [REGION_PORT [AGAIN]]
   mac    DiLoCo (transport p2p, H=2) for 3 rounds; eu-west-1's rank 0 changes its contribution to
          round 2 after publishing its projections (as a tamperer on the wire would)
   kill   DiLoCo for 4 rounds; ap-southeast-1 writes the time and SIGKILLs itself in round 2, after
-         publishing its projections, before the all-reduce
+         its groups are made, before the all-reduce
+  stop   like kill, but it SIGSTOPs itself (a hung region: its sockets stay open); the test kills it
   rejoin like kill, with a model of 330k parameters (its fp32 outer state, 2.6 MB, is more than the
          store may carry), 10 rounds paced by 0.5 s a step; started again with AGAIN=again, the
          region rejoins and takes part until the others finish
@@ -61,15 +62,15 @@ def rounds(mode: str, region: str, rank: int, store: dist.TCPStore, members: lis
     def corrupt(r: int, s: int, t: torch.Tensor) -> None:
         if mode == "mac" and region == "eu-west-1" and rank == 0 and r == 2:
             t.add_(1.0)
-        if mode in ("kill", "rejoin") and region == "ap-southeast-1" and r == 2 and not again:
+        if mode in ("kill", "rejoin", "stop") and region == "ap-southeast-1" and r == 2 and not again:
             Path(out, f"killed-{region}-{rank}").write_text(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGSTOP if mode == "stop" else signal.SIGKILL)
 
     secret = read_secret(Path(out, "secret"))
     diloco = DiLoCo(model, sync, region, names, group=group, secret=secret, ranks=[k for _, k in members], corrupt=corrupt)
     joined = diloco.join(store)
     g = torch.Generator().manual_seed(names.index(region) * 100 + rank)
-    total = {"mac": 3, "kill": 4, "rejoin": 10}[mode]
+    total = {"mac": 3, "kill": 4, "stop": 4, "rejoin": 10}[mode]
     first = joined.round * 2 if again else 0  # a region that rejoins counts steps from the job's round
     with Path(out, f"{region}-{rank}.jsonl").open("a") as f:
         for step in range(first + 1, 2 * total + 1):

@@ -2,8 +2,9 @@
 so each owner checks the sum it received against values signed in the store.
 
 Each contributing owner projects its (decoded) shard ``x_j`` onto ``K`` secret vectors ``v``
-(standard normal, float64, from a ``torch.Generator`` seeded by an HMAC of the job's secret, the
-round and its attempt, the shard and the vector: nobody without the secret knows them) and
+(standard normal, drawn in float32, applied in float64, from a ``torch.Generator`` seeded by an
+HMAC of the job's secret, the round and its attempt, the shard and the vector: nobody without the
+secret knows them) and
 publishes, signed, ``p_j = <v, x_j>`` for each vector and ``b_j = |x_j|_2``. The projection is
 linear, so the exact sum ``x`` has ``<v, x> = sum_j p_j``.
 
@@ -46,17 +47,21 @@ def _seed(signer: Signer, tag: str, s: int, i: int) -> int:
 
 
 def project(signer: Signer, tag: str, s: int, x: torch.Tensor) -> list[float]:
-    """``[p_1, ..., p_K, b]`` of shard ``s``'s values ``x`` (any float dtype)."""
+    """``[p_1, ..., p_K, b]`` of shard ``s``'s values ``x`` (any float dtype).
+
+    The K vectors are drawn in float32 (a third of float64's cost; products of float32 and any of
+    the summable dtypes are exact in float64) and applied together, one matrix-vector product per
+    piece in float64, each piece of ``x`` cast once."""
     flat = x.reshape(-1)
-    out: list[float] = []
-    for i in range(K):
-        g = torch.Generator().manual_seed(_seed(signer, tag, s, i))
-        p = 0.0
-        for start in range(0, flat.numel(), CHUNK):
-            piece = flat[start : start + CHUNK].double()
-            p += float(torch.dot(torch.randn(piece.numel(), generator=g, dtype=torch.float64), piece))
-        out.append(p)
-    return [*out, float(flat.double().norm())]
+    gens = [torch.Generator().manual_seed(_seed(signer, tag, s, i)) for i in range(K)]
+    acc = torch.zeros(K, dtype=torch.float64)
+    for start in range(0, flat.numel(), CHUNK):
+        # on the CPU whatever the shard's device: the vectors are drawn there (the same bits in
+        # every region), and a CUDA shard met them as a device mismatch (seen on an H200 node)
+        piece = flat[start : start + CHUNK].to("cpu", torch.float64)
+        v = torch.stack([torch.randn(piece.numel(), generator=g, dtype=torch.float32) for g in gens])
+        acc += torch.mv(v.double(), piece)
+    return [*(float(p) for p in acc), float(flat.double().norm())]
 
 
 def encode_projections(values: Sequence[float]) -> str:

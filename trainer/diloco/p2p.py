@@ -34,13 +34,30 @@ from geoshard.trainer.diloco.record import RoundRecord
 from geoshard.trainer.diloco.ring import restrict
 from geoshard.trainer.diloco.settings import SUMMABLE_DTYPES, OuterSync
 from geoshard.trainer.diloco.sharded import Membership as Ring
-from geoshard.trainer.diloco.sharded import ShardGroups, allreduce_shards, gather_in_region, region_max
+from geoshard.trainer.diloco.sharded import ShardGroups, gather_in_region, make_groups, region_max, start_allreduce
 from geoshard.trainer.diloco.shards import Layout, shard_count
 
 log = logging.getLogger(__name__)
 
 Corrupt = Callable[[int, int, torch.Tensor], None]  # (round, shard, contribution): tests only
 OK, REFUSED, FAILED = 0, 1, 2  # an attempt's outcome on a rank; the region takes the worst
+
+
+class Phases:
+    """Seconds per phase of one round on this rank (summed over its attempts), in first-use order."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def tick(self, name: str) -> None:
+        """The time since the last tick goes to ``name``."""
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._t
+        self._t = now
+
+    def record(self) -> tuple[tuple[str, float], ...]:
+        return tuple(self.seconds.items())
 
 
 class P2PExchange:
@@ -72,6 +89,7 @@ class P2PExchange:
             wait_s = 2 * sync.round_timeout_s + 60  # non-leaders wait here while the leader waits on the store
             self.region_group = gloo_group(store, kv.key("pg", "region", region, token) + "/", k, self.layout.n, bind, wait_s)
         self.fresh = False  # rejoined: its next round contributes nothing and receives the outer state
+        self.phases = Phases()
 
     # -- the outer shards -------------------------------------------------------------------------
     def own(self, flat: torch.Tensor) -> torch.Tensor:
@@ -90,6 +108,7 @@ class P2PExchange:
     def run(self, r: int, step: int, current: torch.Tensor, t0: float) -> tuple[RoundRecord, torch.Tensor]:
         """Round ``r`` from this rank's current parameters (flat fp32): its record and the new full parameters."""
         carried0, refused0 = self.store.carried, self.kv.signer.total()
+        self.phases = Phases()
         sent, left_out, previous, adopted = 0, tuple[tuple[str, str], ...](), tuple[str, ...](), False
         for attempt in range(MAX_ATTEMPTS):
             d = self._decide(r, attempt, previous)
@@ -112,17 +131,22 @@ class P2PExchange:
                 break
             log.warning("DiLoCo: outer round %d attempt %d among %s failed (%s); the others redo it", r, attempt, ", ".join(d.members), why)
             previous = d.members
+        self.phases.tick("other")
         full, gathered = gather_in_region(self.region_group, self.layout, self._pieces(self.opt.params))
+        self.phases.tick("gather")
         missing = tuple(g for g in self.job if g not in d.members and g not in d.gone)
         rec = RoundRecord(r, step, d.members, missing, time.perf_counter() - t0, sent + gathered, 0, self.sync.compression)
         refused = self.kv.signer.total() - refused0
         adopted = adopted and not left_out
         store_bytes = self.store.carried - carried0
-        return replace(rec, adopted=adopted, refused=refused, left_out=left_out, transport="p2p", store_bytes=store_bytes), full
+        rec = replace(rec, adopted=adopted, refused=refused, left_out=left_out, transport="p2p", store_bytes=store_bytes)
+        return replace(rec, phases=self.phases.record()), full
 
     def _decide(self, r: int, attempt: int, previous: tuple[str, ...]) -> Decision:
         """The leader decides through the store; every rank of the region gets the same decision."""
+        self.phases.tick("other")
         d = self.membership.decide(r, attempt, previous, self.fresh) if self.layout.k == 0 else None
+        self.phases.tick("members")
         if self.region_group is None:
             assert d is not None
             return d
@@ -139,6 +163,7 @@ class P2PExchange:
         members = tuple(g for i, g in enumerate(names) if t[4 + i] in (1, 3))
         gone = frozenset(g for i, g in enumerate(names) if t[4 + i] == 2)
         fresh = tuple(g for i, g in enumerate(names) if t[4 + i] == 3)
+        self.phases.tick("members")
         return Decision(members, f"{int(t[1])}.{int(t[2])}", bool(t[0]), gone, fresh)
 
     def _member(self, r: int, attempt: int, d: Decision, current: torch.Tensor) -> tuple[int, int, str]:
@@ -152,7 +177,9 @@ class P2PExchange:
         except RuntimeError as e:  # a peer lost mid-round: gloo raised, or its timeout passed
             first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
             code, why = FAILED, f"the exchange failed: {first}"
+        self.phases.tick("other")
         worst = region_max(self.region_group, code)
+        self.phases.tick("region_agree")
         if worst == FAILED:
             self.cache.keep(lambda key: False)  # its groups may hold a dead peer: the next attempt makes new ones
             if self.layout.k == 0:
@@ -162,6 +189,7 @@ class P2PExchange:
             return sent, REFUSED, why or "another rank of the region refused a shard's sum"
         m = len(d.members) - len(d.fresh)  # a region that rejoined contributed nothing
         self.opt.step(torch.cat([summed[s].float() / m for s in self.layout.mine]))
+        self.phases.tick("step")
         return sent, OK, ""
 
     def _sum(self, r: int, attempt: int, d: Decision, current: torch.Tensor) -> tuple[int, dict[int, torch.Tensor], str]:
@@ -173,23 +201,41 @@ class P2PExchange:
             self.store, self.kv.key("pg"), self.layout, ring, self.region, self.sync.streams, self.bind, timeout, self.cache
         )
         dtype = SUMMABLE_DTYPES[self.sync.compression]
+        self.phases.tick("other")
+        make_groups(groups, self.layout.mine)
+        self.phases.tick("groups")
         values: dict[int, torch.Tensor] = {}
         outer = self._pieces(self.opt.params)
-        tag = f"{r}/{attempt}/{d.name}"
         for s in self.layout.mine:
             a, b = self.layout.span(s)
             values[s] = (outer[s] - current[a:b]).to(dtype)
             if self.region in d.fresh:
                 values[s].zero_()  # its outer shards are not the job's: it takes theirs below
-            projections = mac.project(self.kv.signer, tag, s, values[s])
-            self.kv.set(self.mac_key(r, attempt, d.name, s, self.region), mac.encode_projections(projections))
-            if self.corrupt is not None:
+        # The projections are of what this rank contributes: a copy, since the sum lands in place.
+        # They are computed and published while the chunks travel (gloo's threads), off the critical path.
+        contributed = {s: t.clone() for s, t in values.items()}
+        if self.corrupt is not None:
+            for s in self.layout.mine:
                 self.corrupt(r, s, values[s])
-        summed, sent = allreduce_shards(groups, values)
-        why = self._check(r, attempt, d, summed)
+        self.phases.tick("prepare")
+        works, sent = start_allreduce(groups, values)
+        self._publish(r, attempt, d.name, contributed)
+        self.phases.tick("mac_publish")
+        for w in works:
+            w.wait()
+        self.phases.tick("transfer")
+        why = self._check(r, attempt, d, values)
+        self.phases.tick("mac_check")
         if d.fresh:
             sent += self._hand_over(groups, ring, d)
-        return sent, summed, why
+            self.phases.tick("hand_over")
+        return sent, values, why
+
+    def _publish(self, r: int, attempt: int, name: str, contributed: dict[int, torch.Tensor]) -> None:
+        """Each owned shard's signed MAC projections of what this rank contributes."""
+        tag = f"{r}/{attempt}/{name}"
+        for s, t in contributed.items():
+            self.kv.set(self.mac_key(r, attempt, name, s, self.region), mac.encode_projections(mac.project(self.kv.signer, tag, s, t)))
 
     def _hand_over(self, groups: ShardGroups, ring: Ring, d: Decision) -> int:
         """Regions that rejoined get the outer state (fp32 parameters and momentum) from the first

@@ -50,6 +50,7 @@ class RoundRecord:
     # Written by the peer-to-peer transport only (lines of the store transport stay as they were):
     transport: str = ""  # "p2p": pseudo-gradients over gloo between the regions' ranks
     store_bytes: int = 0  # bytes this rank's store client carried for the round (membership, rendezvous, MACs)
+    phases: tuple[tuple[str, float], ...] = ()  # (phase, seconds) of this rank's exchange: where the time went
     version: int = VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -63,6 +64,8 @@ class RoundRecord:
         if self.transport:
             doc["transport"] = self.transport
             doc["store_bytes"] = self.store_bytes
+            if self.phases:
+                doc["phases"] = {k: round(v, 4) for k, v in self.phases}
         return doc
 
     @classmethod
@@ -98,6 +101,7 @@ class RoundRecord:
             left_out=_left_out(doc.get("left_out")),
             transport=str(doc.get("transport", "")),
             store_bytes=_count(doc, "store_bytes"),
+            phases=_phases(doc.get("phases")),
             version=version,
         )
 
@@ -133,6 +137,14 @@ def _left_out(value: Any) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, dict):
         raise ValueError(f"left_out must map regions to reasons, got {value!r}")
     return tuple((str(k), str(v)) for k, v in value.items())
+
+
+def _phases(value: Any) -> tuple[tuple[str, float], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ValueError(f"phases must map phases to seconds, got {value!r}")
+    return tuple((str(k), _float(v)) for k, v in value.items())
 
 
 def rounds_path(out: Path, region: str) -> Path:

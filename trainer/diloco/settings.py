@@ -34,7 +34,7 @@ class OuterSync:
     # How pseudo-gradients travel: "store" (each leader through the outer store) or "p2p" (gloo
     # between the regions' ranks, sharded over every rank; the store for membership only).
     transport: str = "store"
-    streams: int = 4  # p2p: concurrent all-reduces (TCP streams) per shard and pair of peers
+    streams: int = 8  # p2p: concurrent all-reduces (TCP streams) per pair of regions, split over the shards
 
     def __post_init__(self) -> None:
         if self.outer_steps < 1:

@@ -3,11 +3,12 @@ with the owners of the same shards in the other member regions (one gloo group p
 stream), then the region's ranks all-gather the shards (the region's own group), so every rank
 ends with the whole vector.
 
-Each shard is cut into ``streams`` chunks, each all-reduced on a group of its own, all at once
-(``async_op``): several TCP connections per pair of peers, so one exchange is not held to what one
-TCP stream gets through a long fat link. The order of the ranks in each cross-region group is
-the ring's (``ring``). ``sharded_allreduce`` is the whole thing in one call, for benches; the
-trainer's exchange (``p2p``) runs the same steps around its checks.
+Each shard is cut into ``streams / S`` chunks (``S`` shards: ``streams`` per pair of regions),
+each all-reduced on a group of its own, all at once (``async_op``): several TCP connections per
+pair of peers, so one exchange is not held to what one TCP stream gets through a long fat link.
+The order of the ranks in each cross-region group is the ring's (``ring``). ``sharded_allreduce``
+is the whole thing in one call, for benches; the trainer's exchange (``p2p``) runs the same
+steps around its checks.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from geoshard.trainer.diloco.groups import LOOPBACK, Bind, GroupCache, gloo_grou
 from geoshard.trainer.diloco.settings import SUMMABLE_DTYPES
 from geoshard.trainer.diloco.shards import Layout, owner, shard_count
 
-DEFAULT_STREAMS = 4
+DEFAULT_STREAMS = 8
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,12 @@ def chunks(a: int, b: int, streams: int) -> list[tuple[int, int]]:
     return out
 
 
+def per_shard(streams: int, shards: int) -> int:
+    """Chunks per shard for ``streams`` per pair of regions: the streams are split over the shards
+    (a region's ranks), each shard getting at least one."""
+    return max(1, -(-streams // shards))
+
+
 class ShardGroups:
     """One rank's groups for one membership: per owned shard and stream, a group with one rank
     per member region (ring order); made on first use, kept in ``cache``."""
@@ -66,7 +73,7 @@ class ShardGroups:
         timeout_s: float,
         cache: GroupCache,
     ) -> None:
-        self.layout, self.mship, self.streams = layout, mship, streams
+        self.layout, self.mship, self.streams = layout, mship, per_shard(streams, layout.shards)
         self._args = (store, prefix, mship.index(region), len(mship.members), bind, timeout_s)
         self._cache = cache
 
@@ -84,18 +91,33 @@ class ShardGroups:
 def allreduce_shards(groups: ShardGroups, values: dict[int, torch.Tensor]) -> tuple[dict[int, torch.Tensor], int]:
     """Sum each owned shard over the member regions, in place, every chunk at once; the bytes this
     rank sent (a ring all-reduce of B bytes among m sends 2(m-1)/m B)."""
+    works, sent = start_allreduce(groups, values)
+    for w in works:
+        w.wait()
+    return values, sent
+
+
+def make_groups(groups: ShardGroups, shards: Sequence[int]) -> None:
+    """Make (or find in the cache) every group of ``shards``' chunks, in the order all ranks use."""
+    if len(groups.mship.members) > 1:
+        for s in sorted(shards):
+            for c in range(len(groups.pieces(s))):
+                groups.group(s, c)
+
+
+def start_allreduce(groups: ShardGroups, values: dict[int, torch.Tensor]) -> tuple[list[Any], int]:
+    """``allreduce_shards`` without the wait: the works (wait on each) and the bytes sent, so the
+    caller can do other work (the MAC's projections) while the chunks travel."""
     m = len(groups.mship.members)
     if m == 1:
-        return values, 0
+        return [], 0
     works, sent = [], 0
     for s in sorted(values):  # every rank makes its groups in the same order: no two wait on each other
         for c, (a, b) in enumerate(groups.pieces(s)):
             piece = values[s][a:b]
             works.append(groups.group(s, c).allreduce([piece], AllreduceOptions()))
             sent += 2 * (m - 1) * piece.numel() * piece.element_size() // m
-    for w in works:
-        w.wait()
-    return values, sent
+    return works, sent
 
 
 def gather_in_region(region_group: Any, layout: Layout, own: dict[int, torch.Tensor]) -> tuple[torch.Tensor, int]:
