@@ -58,6 +58,7 @@ class Membership:
     def __init__(self, kv: KV, regions: Sequence[str], region: str, timeout_s: float, shards: int) -> None:
         self.kv, self.regions, self.region, self.timeout_s, self.shards = kv, tuple(regions), region, timeout_s, shards
         self.roster = Roster(kv, regions)
+        self.due = 0  # a round whose keys this leader forgets after its exchange (0: none)
 
     def _key(self, r: int, attempt: int, *names: object) -> str:
         return self.kv.key("r", r, attempt, *names)
@@ -71,8 +72,8 @@ class Membership:
         self.kv.set(self._key(r, attempt, "ready", self.region), "fresh" if fresh else "1")
         entries, _ = self.roster.read()
         gone = Roster.gone(entries)
-        members = self._members(r, attempt) if self.kv.store.check([self.members_key(r, attempt)]) else None
-        if members is None:
+        closed = self._closed(r, attempt) if self.kv.store.check([self.members_key(r, attempt)]) else None
+        if closed is None:
             if attempt == 0:
                 expected, wait_s = Roster.expected(entries, r), self.timeout_s
             else:
@@ -80,16 +81,28 @@ class Membership:
             ready, left = self._await(r, attempt, expected, wait_s)
             gone |= left
             if self.kv.store.add(self._key(r, attempt, "close"), 1) == 1:
-                members = self._close(r, attempt, [g for g in expected if g not in left], ready, entries)
+                closed = self._close(r, attempt, [g for g in expected if g not in left], ready, entries)
             elif self.kv.wait_all([self.members_key(r, attempt)], self.timeout_s):
-                members = self._members(r, attempt)
-        name = self._read_since(r, attempt) if members is not None else f"{r}.{attempt}"
-        members = members or ()
-        value = self.kv.get(self._key(r, attempt, "fresh")) if members else None
-        rejoined = tuple(g for g in (value or b"").decode("ascii", errors="replace").split(",") if g in members)
+                closed = self._closed(r, attempt)
+        if closed is None:  # not closed within the wait, or its members refused
+            return Decision((), f"{r}.{attempt}", False, frozenset(gone), ())
+        members, name, rejoined = closed
         return Decision(members, name, self.region in members, frozenset(gone), rejoined)
 
-    def _close(self, r: int, attempt: int, expected: list[str], ready: dict[str, bytes], entries: dict[str, str]) -> tuple[str, ...]:
+    def _closed(self, r: int, attempt: int) -> tuple[tuple[str, ...], str, tuple[str, ...]] | None:
+        """A closed attempt's members, groups' name and rejoined regions, in one round trip (the
+        closer sets the name and the rejoined before the members: they are there); None when refused."""
+        keys = [self.members_key(r, attempt), self._key(r, attempt, "since"), self._key(r, attempt, "fresh")]
+        value, since, fresh = self.kv.open_many(keys)
+        members = None if value is None else checked_members(self.kv, keys[0], value, self.regions)
+        if members is None:
+            return None
+        rejoined = tuple(g for g in (fresh or b"").decode("ascii", errors="replace").split(",") if g in members)
+        return members, self._parse_since(keys[1], since, r, attempt), rejoined
+
+    def _close(
+        self, r: int, attempt: int, expected: list[str], ready: dict[str, bytes], entries: dict[str, str]
+    ) -> tuple[tuple[str, ...], str, tuple[str, ...]]:
         members = tuple(g for g in self.regions if g in expected and g in ready)
         fresh = [g for g in members if ready[g] == b"fresh"]
         if len(fresh) == len(members):  # nobody to take the state from: they start over from their own
@@ -106,8 +119,13 @@ class Membership:
         self.kv.set(self.members_key(r, attempt), ",".join(members))
         self.kv.set(self.kv.key("p2p", "round"), str(r))  # where a region that rejoins starts counting
         if attempt == 0:
-            self.forget(r - 2)
-        return members
+            self.due = r - 2  # forgotten by tidy(), after the exchange: not on the round's way
+        return members, since, tuple(fresh)
+
+    def tidy(self) -> None:
+        """Forget what the last close left for later (the leader calls it after its round)."""
+        due, self.due = self.due, 0
+        self.forget(due)
 
     def _last(self, r: int) -> int | None:
         """The last attempt of round ``r`` that was closed."""
@@ -129,7 +147,9 @@ class Membership:
 
     def _read_since(self, r: int, attempt: int) -> str:
         key = self._key(r, attempt, "since")
-        value = self.kv.get(key)
+        return self._parse_since(key, self.kv.get(key), r, attempt)
+
+    def _parse_since(self, key: str, value: bytes | None, r: int, attempt: int) -> str:
         try:
             if value is None:
                 raise Refused("malformed", "missing")

@@ -134,6 +134,8 @@ class P2PExchange:
         self.phases.tick("other")
         full, gathered = gather_in_region(self.region_group, self.layout, self._pieces(self.opt.params))
         self.phases.tick("gather")
+        if self.layout.k == 0:
+            self.membership.tidy()  # old rounds' keys, once this round no longer waits on the store
         missing = tuple(g for g in self.job if g not in d.members and g not in d.gone)
         rec = RoundRecord(r, step, d.members, missing, time.perf_counter() - t0, sent + gathered, 0, self.sync.compression)
         refused = self.kv.signer.total() - refused0
