@@ -232,26 +232,30 @@ def test_a_contribution_changed_after_its_projections_were_published_is_refused_
     assert records(tmp_path, "us-east-1-0")[1]["refused"] == 1
 
 
-@pytest.mark.slow
-def test_a_region_killed_mid_exchange_is_dropped_within_the_bound_and_the_others_finish(tmp_path: Path) -> None:
+def assert_dropped(tmp_path: Path, failed_at: float) -> None:
+    """ap-southeast-1, lost in round 2, is out of round 2's redo within 10 s of ``failed_at`` (when
+    its loss showed) on every survivor, and round 3 never waits for it (its roster entry is -1)."""
     from geoshard.trainer.diloco.membership import REDO_WAIT_S
 
-    store = host_store("127.0.0.1", timeout_s=60)
-    members = "us-east-1:1,eu-west-1:2,ap-southeast-1:1"
-    procs = start_ranks("kill", members, tmp_path, store.port)
-    codes = [p.wait(timeout=300) for p in procs]
-    assert codes == [0, 0, 0, -9], "\n".join(f.read_text()[-3000:] for f in tmp_path.glob("*.log"))
-    killed_at = float((tmp_path / "killed-ap-southeast-1-0").read_text())
     for name in ("us-east-1-0", "eu-west-1-0", "eu-west-1-1"):
         recs = records(tmp_path, name)
         assert [r["round"] for r in recs] == [1, 2, 3, 4]
         assert recs[0]["regions"] == ["us-east-1", "eu-west-1", "ap-southeast-1"]
         for r in recs[1:]:
             assert r["regions"] == ["us-east-1", "eu-west-1"] and r["missing"] == ["ap-southeast-1"] and "left_out" not in r, r
-        # round 2 redone without it: its sockets closed, gloo raised at once, the redo waited REDO_WAIT_S for it
-        assert recs[1]["time"] - killed_at < 10.0, recs[1]["time"] - killed_at
-        # round 3 does not wait for it (its roster entry is -1)
+        assert recs[1]["time"] - failed_at < 10.0, recs[1]["time"] - failed_at
         assert recs[2]["exchange_s"] < REDO_WAIT_S, recs[2]
+
+
+@pytest.mark.slow
+def test_a_region_killed_mid_exchange_is_dropped_within_the_bound_and_the_others_finish(tmp_path: Path) -> None:
+    store = host_store("127.0.0.1", timeout_s=60)
+    members = "us-east-1:1,eu-west-1:2,ap-southeast-1:1"
+    procs = start_ranks("kill", members, tmp_path, store.port)
+    codes = [p.wait(timeout=300) for p in procs]
+    assert codes == [0, 0, 0, -9], "\n".join(f.read_text()[-3000:] for f in tmp_path.glob("*.log"))
+    # round 2 redone without it: its sockets closed, gloo raised at once, the redo waited REDO_WAIT_S for it
+    assert_dropped(tmp_path, float((tmp_path / "killed-ap-southeast-1-0").read_text()))
     assert (tmp_path / "ap-southeast-1-0.jsonl").read_text().count("\n") == 1
 
 
@@ -259,8 +263,6 @@ def test_a_region_killed_mid_exchange_is_dropped_within_the_bound_and_the_others
 def test_a_region_stopped_mid_exchange_is_dropped_within_10_s_of_its_deadline_and_the_others_finish(tmp_path: Path) -> None:
     """SIGSTOP, not SIGKILL: its sockets stay open, so nothing fails at once; gloo's timeout (the
     round's, 20 s in the job) is the deadline, after which the survivors redo the round without it."""
-    from geoshard.trainer.diloco.membership import REDO_WAIT_S
-
     store = host_store("127.0.0.1", timeout_s=60)
     members = "us-east-1:1,eu-west-1:2,ap-southeast-1:1"
     procs = start_ranks("stop", members, tmp_path, store.port)
@@ -271,17 +273,9 @@ def test_a_region_stopped_mid_exchange_is_dropped_within_10_s_of_its_deadline_an
     finally:
         procs[3].kill()
         procs[3].wait(timeout=30)
-    stopped_at = float((tmp_path / "killed-ap-southeast-1-0").read_text())
     deadline_s = 20.0  # the job's round_timeout_s: gloo's bound on every collective
+    assert_dropped(tmp_path, float((tmp_path / "killed-ap-southeast-1-0").read_text()) + deadline_s)
     for name in ("us-east-1-0", "eu-west-1-0", "eu-west-1-1"):
-        recs = records(tmp_path, name)
-        assert [r["round"] for r in recs] == [1, 2, 3, 4]
-        assert recs[0]["regions"] == ["us-east-1", "eu-west-1", "ap-southeast-1"]
-        for r in recs[1:]:
-            assert r["regions"] == ["us-east-1", "eu-west-1"] and r["missing"] == ["ap-southeast-1"] and "left_out" not in r, r
-        late = recs[1]["time"] - stopped_at - deadline_s
-        assert late < 10.0, late  # dropped within 10 s after the deadline
-        assert recs[2]["exchange_s"] < REDO_WAIT_S, recs[2]  # and never waited for again
         assert "Traceback" not in (tmp_path / f"{name}.log").read_text()
 
 
