@@ -272,7 +272,7 @@ def test_geoshard_train_with_int8_pseudo_gradients_sends_about_half_of_fp16s_byt
     assert "Traceback" not in done.stdout + done.stderr
     for region in (US, EU):
         assert (
-            f"geoshard.trainer: {region}: 1 of the job's 2 rank(s); DDP in the region, DiLoCo across {US}:1,{EU}:1 "
+            f"geoshard.trainer: {region}: 1 of the job's 2 rank(s); one rank in the region, no DDP, DiLoCo across {US}:1,{EU}:1 "
             f"every {h} steps (outer lr 0.7, momentum 0.9, Nesterov, int8)"
         ) in done.stdout
     assert "(int8 pseudo-gradients)" in done.stdout  # the report's rounds caption

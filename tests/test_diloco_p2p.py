@@ -20,6 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RANK_JOB = ROOT / "tests" / "jobs" / "p2p_rank.py"
 
 
+INNER = ("one rank in the region, no DDP", "DDP in the region")  # the start-up line, by region size
+
+
 def test_every_shard_has_exactly_one_owner_in_every_region_also_with_unequal_rank_counts() -> None:
     ranks = {"us-east-1": 3, "eu-west-1": 2, "ap-southeast-1": 1}
     s = shard_count(list(ranks.values()))
@@ -151,7 +154,7 @@ def test_geoshard_train_with_the_p2p_transport_trains_and_keeps_bulk_bytes_out_o
     stdout = done.stdout.splitlines()
     for region, n in ((US, 1), (EU, 2)):
         start = (
-            f"geoshard.trainer: {region}: {n} of the job's 3 rank(s); DDP in the region, DiLoCo across {US}:1,{EU}:2 "
+            f"geoshard.trainer: {region}: {n} of the job's 3 rank(s); {INNER[n > 1]}, DiLoCo across {US}:1,{EU}:2 "
             f"every {h} steps (outer lr 0.7, momentum 0.9, Nesterov, fp16; peer to peer, sharded over every rank, 3 streams)"
         )
         assert start in stdout, stdout[:10]

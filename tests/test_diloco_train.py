@@ -28,6 +28,9 @@ US, EU, AP = "us-east-1", "eu-west-1", "ap-southeast-1"
 FLAGS = ("--batch-size", 16, "--num-workers", 1, "--backend", "gloo", "--log-keys", "--sync", "diloco")
 
 
+INNER = ("one rank in the region, no DDP", "DDP in the region")  # the start-up line, by region size
+
+
 def local_plan(tmp: Path, weights: dict[str, int], samples: int) -> Path:
     """The regions' data in local replicas (the split's own folders)."""
     make_corpus(tmp / "corpus", samples=samples, sample_bytes=300, shard_samples=200)
@@ -73,7 +76,7 @@ def test_diloco_trains_each_region_alone_between_rounds_and_the_loss_goes_down(t
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for region, n in ((US, 2), (EU, 1)):
         assert (
-            f"geoshard.trainer: {region}: {n} of the job's 3 rank(s); DDP in the region, DiLoCo across {US}:2,{EU}:1 "
+            f"geoshard.trainer: {region}: {n} of the job's 3 rank(s); {INNER[n > 1]}, DiLoCo across {US}:2,{EU}:1 "
             f"every {h} steps (outer lr 0.7, momentum 0.9, Nesterov, fp16)"
         ) in done.stdout
     report = json.loads((out / "report.json").read_text())

@@ -256,8 +256,9 @@ def _announce(cfg: TrainConfig, ctx: RankContext, balance: Any, sync: str) -> No
             flush=True,
         )
     elif sync == "diloco":
+        inner = "DDP in the region" if ctx.group_size > 1 else "one rank in the region, no DDP"
         print(
-            f"geoshard.trainer: {ctx.region}: {ctx.group_size} of the job's {ctx.world_size} rank(s); DDP in the region, "
+            f"geoshard.trainer: {ctx.region}: {ctx.group_size} of the job's {ctx.world_size} rank(s); {inner}, "
             f"DiLoCo across {cfg.outer_regions} every {cfg.outer_steps} steps (outer lr {cfg.outer_lr:g}, "
             f"momentum {cfg.outer_momentum:g}{', Nesterov' if cfg.outer_nesterov else ''}, {cfg.outer_compression}"
             f"{'' if cfg.outer_error_feedback or cfg.outer_compression == 'none' else ' without error feedback'}"
