@@ -249,7 +249,9 @@ def test_ctrl_c_stops_a_threaded_split_quickly_and_publishes_nothing(tmp_path: P
     argv = [GEOSHARD, "split", str(tmp_path / "src"), "--plan", str(tmp_path / "plan.toml"), "--out", str(out), "--workers", "1"]
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     deadline = time.monotonic() + 120
-    while not list(out.glob(".geoshard-tmp/run-*/*/*.partial")):  # a task is writing shards
+    # the first shard file of the run (being written or done): early in the run, while a glob for
+    # ``*.partial`` alone could miss the short windows of the first shards and fire during publishing
+    while not list(out.glob(".geoshard-tmp/run-*/*/*")):
         assert p.poll() is None and time.monotonic() < deadline, "the split ended before a task was seen"
         time.sleep(0.005)
     p.send_signal(signal.SIGINT)
