@@ -247,7 +247,17 @@ def test_ctrl_c_stops_a_threaded_split_quickly_and_publishes_nothing(tmp_path: P
     write_plan(tmp_path / "plan.toml", shard_bytes="4MB")
     out = tmp_path / "out"
     argv = [GEOSHARD, "split", str(tmp_path / "src"), "--plan", str(tmp_path / "plan.toml"), "--out", str(out), "--workers", "1"]
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    # Ctrl-C in a terminal reaches a process whose SIGINT is at its default. A test run started as a
+    # shell's background job (``make test &``) has SIGINT ignored, which its children inherit, and a
+    # Python started so keeps ignoring it: the split then finished and exited 0.
+    p = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 120
     # the first shard file of the run (being written or done): early in the run, while a glob for
     # ``*.partial`` alone could miss the short windows of the first shards and fire during publishing
@@ -258,7 +268,7 @@ def test_ctrl_c_stops_a_threaded_split_quickly_and_publishes_nothing(tmp_path: P
     t = time.monotonic()
     stdout, stderr = p.communicate(timeout=60)
     assert time.monotonic() - t < 15, "Ctrl-C took long to stop the split"
-    assert p.returncode == 1 and stderr.strip() == "Aborted!" and stdout == "", (p.returncode, stderr[-3000:])
+    assert p.returncode == 1 and stderr.strip() == "Aborted!" and stdout == "", (p.returncode, stderr[-3000:], stdout[-500:])
     assert published(out) == [] and not (out / ".geoshard-tmp").exists()  # every task stopped before the cleanup
     r = _cli_split(tmp_path, tmp_path / "src", "out")  # the lock is free and a rerun publishes everything
     assert r.rc == 0 and json.loads(r.out)["samples_in"] == 600, r.err[-3000:]
