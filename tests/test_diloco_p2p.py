@@ -313,3 +313,38 @@ def test_a_region_that_rejoins_gets_the_outer_state_peer_to_peer_and_the_store_c
         for r in records(tmp_path, name):
             assert r["store_bytes"] < 1_000_000, (name, r)  # the 2.6 MB state never went through it
     assert max(r["store_bytes"] for r in records(tmp_path, "us-east-1-0")) < 100_000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("members", ["us-east-1:1,eu-west-1:2", "us-east-1:2,eu-west-1:1"])
+def test_round_0_goes_peer_to_peer_and_every_region_starts_from_the_first_regions_parameters(members: str, tmp_path: Path) -> None:
+    """A fresh job: every rank's model is seeded apart; round 0 takes us-east-1's (the job's first
+    region's) parameters to every rank of eu-west-1 over the shards' groups, never through the store."""
+    store = host_store("127.0.0.1", timeout_s=60)
+    procs = start_ranks("first", members, tmp_path, store.port)
+    for p in procs:
+        assert p.wait(timeout=300) == 0, "\n".join(f.read_text()[-3000:] for f in tmp_path.glob("*.log"))
+    ranks = {g: int(n) for g, n in (x.split(":") for x in members.split(","))}
+    names = [f"{g}-{k}" for g, n in ranks.items() for k in range(n)]
+    joins = {name: json.loads((tmp_path / f"{name}.join.json").read_text()) for name in names}
+    source = joins["us-east-1-0"]["before"]
+    numel = 32 * 8192 + 8192 + 8192 * 8 + 8  # 335,880 parameters: 1.34 MB in fp32, more than the store may carry
+    for name, doc in joins.items():
+        assert doc["after"] == source, (name, doc)  # every rank of every region starts from the same parameters
+        assert doc["round"] == 0 and doc["created"] == name.startswith("us-east-1"), (name, doc)  # the region that created the job
+        assert 0 < doc["store_bytes"] < 1_000_000, (name, doc)  # membership and rendezvous only
+        if name.startswith("eu-west-1"):
+            assert doc["before"] != source, name  # the parameters it holds came from us-east-1
+    # each eu-west-1 owner took its shards across regions: together exactly the fp32 parameters once
+    assert sum(joins[f"eu-west-1-{k}"]["bytes_read"] for k in range(ranks["eu-west-1"])) == 4 * numel
+    assert all(joins[f"us-east-1-{k}"]["bytes_read"] == 0 for k in range(ranks["us-east-1"]))
+    by_round: dict[int, set[object]] = {}
+    for name in names:
+        recs = records(tmp_path, name)
+        assert [r["round"] for r in recs] == [1, 2], name
+        for r in recs:
+            assert r["regions"] == ["us-east-1", "eu-west-1"] and not r["adopted"] and "left_out" not in r, (name, r)
+            assert r["store_bytes"] < 1_000_000, (name, r)
+            by_round.setdefault(int(r["round"]), set()).add(r["digest"])  # type: ignore[call-overload]
+        assert "WARNING" not in (tmp_path / f"{name}.log").read_text(), name
+    assert all(len(d) == 1 for d in by_round.values()), by_round  # the regions stay together afterwards
