@@ -60,7 +60,7 @@ def rounds(mode: str, region: str, rank: int, store: dist.TCPStore, members: lis
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[8]}", rank=rank, world_size=n)
         group = dist.group.WORLD
     torch.manual_seed(names.index(region) * 100 + rank + 1 if mode == "first" else 0)
-    width = 8192 if mode in ("rejoin", "first") else 64
+    width = int(os.environ.get("P2P_WIDTH", "8192")) if mode in ("rejoin", "first") else 64  # P2P_WIDTH: measurements at other sizes
     model = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.Tanh(), torch.nn.Linear(width, 8))
     again = len(sys.argv) > 9 and sys.argv[9] == "again"
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -75,10 +75,11 @@ def rounds(mode: str, region: str, rank: int, store: dist.TCPStore, members: lis
 
     secret = read_secret(Path(out, "secret"))
     diloco = DiLoCo(model, sync, region, names, group=group, secret=secret, ranks=[k for _, k in members], corrupt=corrupt)
-    before = digest(model)
+    before, started = digest(model), time.time()
     joined = diloco.join(store)
     if mode == "first":
         doc = {"before": before, "after": digest(model), "store_bytes": diloco.join_store_bytes, "bytes_read": joined.bytes_read}
+        doc["join_s"] = time.time() - started
         Path(out, f"{region}-{rank}.join.json").write_text(json.dumps({**doc, "round": joined.round, "created": joined.created}))
     g = torch.Generator().manual_seed(names.index(region) * 100 + rank)
     total = {"mac": 3, "kill": 4, "stop": 4, "rejoin": 10, "first": 2}[mode]
