@@ -92,9 +92,10 @@ class Membership:
     def decide_first(self, source: str, join_timeout_s: float) -> Decision:
         """Round 0 peer to peer (a fresh or wholly resumed job): which regions take ``source``'s
         parameters (the job's first region, which created the job) over the shards' groups. Every
-        job region is expected: the others for ``timeout_s``, ``source`` for up to ``join_timeout_s``
-        (round 0 cannot close without it). A region that comes after round 0 closed (late, or
-        restarted since) is not a member: it takes the outer state in its first round instead."""
+        job region is expected, for up to ``join_timeout_s`` (the regions' start-up skew: a later
+        round has H steps of slack for it, round 0 none); it closes as soon as all are ready. A
+        region that comes after round 0 closed (late, or restarted since) is not a member: it takes
+        the outer state in its first round instead."""
         if self.kv.store.check([self.members_key(0, 0)]):  # closed before its ready key: it cannot be a member
             closed = self._closed(0, 0)
             return Decision(() if closed is None else closed[0], "0.0", False, frozenset(), ())
@@ -104,10 +105,7 @@ class Membership:
         closed = self._closed(0, 0) if self.kv.store.check([self.members_key(0, 0)]) else None
         if closed is None:
             expected = [g for g in self.regions if g not in gone]
-            ready, left = self._await(0, 0, expected, self.timeout_s)
-            if source not in ready and source not in left:
-                more, _ = self._await(0, 0, [source], max(0.0, join_timeout_s - self.timeout_s))
-                ready.update(more)
+            ready, left = self._await(0, 0, expected, join_timeout_s)
             gone |= left
             if self.kv.store.add(self._key(0, 0, "close"), 1) == 1:
                 closed = self._close(0, 0, [g for g in expected if g not in left], ready, entries)
