@@ -170,16 +170,17 @@ class DiLoCo:
         self.round = rec.round + 1
         if p2p:
             assert isinstance(store, CountingStore)
-            got = self._join_p2p(store)
-            rec = dataclasses.replace(rec, bytes_read=got)
+            got, start = self._join_p2p(store)
+            rec = dataclasses.replace(rec, bytes_read=got, round=max(rec.round, start))
+            self.round = rec.round + 1
             self.join_store_bytes = store.carried
         return rec
 
-    def _join_p2p(self, store: CountingStore) -> int:
+    def _join_p2p(self, store: CountingStore) -> tuple[int, int]:
         """Every rank: its shards of the outer state (parameters in place since ``join``; momentum
         from the leader) and its exchange, whose region group meets under a token of this join;
         before round 0, round 0 itself (the first region's parameters, peer to peer). The bytes
-        this rank received across regions."""
+        this rank received across regions, and the round the region starts from."""
         ranks, bind, ring, corrupt = self._p2p_args
         flat = self._flat()
         mom = self._opt.momentum() if self.is_leader and self._opt.momentum() is not None else None
@@ -201,12 +202,12 @@ class DiLoCo:
         opt.reset(self._p2p.own(flat), None if mom is None else self._p2p.own(mom))
         self._p2p.fresh = rejoined
         if not first:
-            return 0
-        full, got = self._p2p.first_round(self.regions[0], flat, self.sync.join_timeout_s)
+            return 0, 0
+        full, got, start = self._p2p.first_round(self.regions[0], flat, self.sync.join_timeout_s)
         self._load_flat(full)
         if self.is_leader:  # the leader's whole outer parameters, as the store transport's leader has them
             self._opt.reset(full, None)
-        return got
+        return got, start
 
     def _join_store(self, store: Store) -> JoinRecord:
         """The leader's part of ``join``."""
