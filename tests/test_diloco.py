@@ -37,14 +37,18 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(mode: str, region: str, rank: int, size: int, region_port: int, store_port: int, out: Path) -> subprocess.Popen[str]:
+def start(
+    mode: str, region: str, rank: int, size: int, region_port: int, store_port: int, out: Path, p2p: str = ""
+) -> subprocess.Popen[str]:
+    """One rank of ``region``; ``p2p``: each region's rank count (REGIONS' order) for the peer-to-peer transport."""
     argv = [sys.executable, "-P", str(JOB), mode, region, str(rank), str(size), str(region_port), str(store_port), str(out)]
+    env = {**os.environ, "DILOCO_TRANSPORT": "p2p" if p2p else "store", "DILOCO_RANKS": p2p or "1,1"}
     key = out / "outer-secret"
     if not key.exists():
         key.touch(mode=0o600)
         key.write_bytes(SECRET)
     with (out / f"{mode}-{region}-{rank}-{time.monotonic_ns()}.log").open("w") as log:  # the child keeps its own descriptor
-        return subprocess.Popen(argv, cwd=out, stdout=log, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(argv, cwd=out, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def finish(procs: list[subprocess.Popen[str]], out: Path, timeout: float = 240) -> None:
@@ -202,14 +206,19 @@ def test_pseudo_gradients_and_states_larger_than_the_stores_message_limit_go_thr
     assert torch.equal(late.model.weight, models["us-east-1"].weight)  # type: ignore[arg-type]
 
 
-def test_h1_with_outer_lr_1_equals_synchronous_data_parallel_and_outer_lr_07_does_not(tmp_path: Path) -> None:
+TRANSPORTS = pytest.mark.parametrize("transport", ["store", "p2p"])
+
+
+@TRANSPORTS
+def test_h1_with_outer_lr_1_equals_synchronous_data_parallel_and_outer_lr_07_does_not(transport: str, tmp_path: Path) -> None:
     """Two regions: us-east-1 with 2 ranks (in-region DDP, its own gloo world; each rank half the
     region's batch), eu-west-1 with 1. The reference is one process stepping SGD on the whole
     global batch, i.e. synchronous data parallel with equal batches per region."""
     server = host_store()
     port = _port()
-    procs = [start("equiv", REGIONS[0], r, 2, port, server.port, tmp_path) for r in (0, 1)]
-    procs.append(start("equiv", REGIONS[1], 0, 1, _port(), server.port, tmp_path))
+    p2p = "2,1" if transport == "p2p" else ""
+    procs = [start("equiv", REGIONS[0], r, 2, port, server.port, tmp_path, p2p) for r in (0, 1)]
+    procs.append(start("equiv", REGIONS[1], 0, 1, _port(), server.port, tmp_path, p2p))
     finish(procs, tmp_path)
     lead = json.loads((tmp_path / "equiv-us-east-1-0.json").read_text())
     other = json.loads((tmp_path / "equiv-us-east-1-1.json").read_text())
@@ -225,9 +234,10 @@ def test_h1_with_outer_lr_1_equals_synchronous_data_parallel_and_outer_lr_07_doe
         assert [r["round"] for r in other[run]["records"]] == list(range(1, 9))  # the non-leader got the records by broadcast
 
 
-def test_with_h5_the_loss_goes_down_and_the_regions_agree(tmp_path: Path) -> None:
+@TRANSPORTS
+def test_with_h5_the_loss_goes_down_and_the_regions_agree(transport: str, tmp_path: Path) -> None:
     server = host_store()
-    procs = [start("loss", g, 0, 1, _port(), server.port, tmp_path) for g in REGIONS]
+    procs = [start("loss", g, 0, 1, _port(), server.port, tmp_path, "1,1" if transport == "p2p" else "") for g in REGIONS]
     finish(procs, tmp_path)
     a, b = (json.loads((tmp_path / f"loss-{g}.json").read_text()) for g in REGIONS)
     losses = a["eval_loss"]
@@ -235,15 +245,19 @@ def test_with_h5_the_loss_goes_down_and_the_regions_agree(tmp_path: Path) -> Non
     assert losses[-1] < 0.3 * losses[0], losses
     assert all(later <= earlier + 0.01 for earlier, later in itertools.pairwise(losses)), losses  # no round undoes progress
     assert a["digest"] == b["digest"]
-    assert all(r["bytes_read"] > 0 and r["compression"] == "fp16" and r["missing"] == [] for r in a["records"])
+    moved = "bytes_published" if transport == "p2p" else "bytes_read"  # p2p: what this rank sent peer to peer
+    assert all(r[moved] > 0 and r["compression"] == "fp16" and r["missing"] == [] for r in a["records"])
+    assert all(r.get("transport", "store") == transport for r in a["records"])
 
 
-def test_with_overlap_the_exchange_runs_behind_training_and_the_regions_still_agree(tmp_path: Path) -> None:
+@TRANSPORTS
+def test_with_overlap_the_exchange_runs_behind_training_and_the_regions_still_agree(transport: str, tmp_path: Path) -> None:
     """H=10, the exchange 8 steps behind, a store 20 ms away per call; us-east-1 with 2 ranks."""
     server = host_store()
     port = _port()
-    procs = [start("overlap", REGIONS[0], r, 2, port, server.port, tmp_path) for r in (0, 1)]
-    procs.append(start("overlap", REGIONS[1], 0, 1, _port(), server.port, tmp_path))
+    p2p = "2,1" if transport == "p2p" else ""
+    procs = [start("overlap", REGIONS[0], r, 2, port, server.port, tmp_path, p2p) for r in (0, 1)]
+    procs.append(start("overlap", REGIONS[1], 0, 1, _port(), server.port, tmp_path, p2p))
     finish(procs, tmp_path)
     lead, other, far = (
         json.loads((tmp_path / f"overlap-{g}-{r}.json").read_text()) for g, r in ((REGIONS[0], 0), (REGIONS[0], 1), (REGIONS[1], 0))

@@ -313,3 +313,71 @@ def test_a_region_that_rejoins_gets_the_outer_state_peer_to_peer_and_the_store_c
         for r in records(tmp_path, name):
             assert r["store_bytes"] < 1_000_000, (name, r)  # the 2.6 MB state never went through it
     assert max(r["store_bytes"] for r in records(tmp_path, "us-east-1-0")) < 100_000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("members", ["us-east-1:1,eu-west-1:2", "us-east-1:2,eu-west-1:1"])
+def test_round_0_goes_peer_to_peer_and_every_region_starts_from_the_first_regions_parameters(members: str, tmp_path: Path) -> None:
+    """A fresh job: every rank's model is seeded apart; round 0 takes us-east-1's (the job's first
+    region's) parameters to every rank of eu-west-1 over the shards' groups, never through the store."""
+    store = host_store("127.0.0.1", timeout_s=60)
+    procs = start_ranks("first", members, tmp_path, store.port)
+    for p in procs:
+        assert p.wait(timeout=300) == 0, "\n".join(f.read_text()[-3000:] for f in tmp_path.glob("*.log"))
+    ranks = {g: int(n) for g, n in (x.split(":") for x in members.split(","))}
+    names = [f"{g}-{k}" for g, n in ranks.items() for k in range(n)]
+    joins = {name: json.loads((tmp_path / f"{name}.join.json").read_text()) for name in names}
+    source = joins["us-east-1-0"]["before"]
+    numel = 32 * 8192 + 8192 + 8192 * 8 + 8  # 335,880 parameters: 1.34 MB in fp32, more than the store may carry
+    for name, doc in joins.items():
+        assert doc["after"] == source, (name, doc)  # every rank of every region starts from the same parameters
+        assert doc["round"] == 0 and doc["created"] == name.startswith("us-east-1"), (name, doc)  # the region that created the job
+        assert 0 < doc["store_bytes"] < 1_000_000, (name, doc)  # membership and rendezvous only
+        if name.startswith("eu-west-1"):
+            assert doc["before"] != source, name  # the parameters it holds came from us-east-1
+    # each eu-west-1 owner took its shards across regions: together exactly the fp32 parameters once
+    assert sum(joins[f"eu-west-1-{k}"]["bytes_read"] for k in range(ranks["eu-west-1"])) == 4 * numel
+    assert all(joins[f"us-east-1-{k}"]["bytes_read"] == 0 for k in range(ranks["us-east-1"]))
+    by_round: dict[int, set[object]] = {}
+    for name in names:
+        recs = records(tmp_path, name)
+        assert [r["round"] for r in recs] == [1, 2], name
+        for r in recs:
+            assert r["regions"] == ["us-east-1", "eu-west-1"] and not r["adopted"] and "left_out" not in r, (name, r)
+            assert r["store_bytes"] < 1_000_000, (name, r)
+            by_round.setdefault(int(r["round"]), set()).add(r["digest"])  # type: ignore[call-overload]
+        assert "WARNING" not in (tmp_path / f"{name}.log").read_text(), name
+    assert all(len(d) == 1 for d in by_round.values()), by_round  # the regions stay together afterwards
+
+
+@pytest.mark.slow
+def test_a_region_that_comes_after_round_0_closed_takes_the_outer_state_in_its_first_round(tmp_path: Path) -> None:
+    """us-east-1 and eu-west-1 (2 ranks) take round 0 among themselves (the join's wait 4 s);
+    ap-southeast-1 starts 8 s late, after round 0 closed and before round 1 did (the others take
+    their first step 6 s after join): it keeps its own parameters, and in the first round it is a
+    member of takes the outer state peer to peer. (One that comes after round 1 closed takes the
+    rejoin's path: test_a_region_that_rejoins_...)"""
+    store = host_store("127.0.0.1", timeout_s=60)
+    procs = start_ranks("late", "us-east-1:1,eu-west-1:2,ap-southeast-1:1", tmp_path, store.port)
+    for p in procs:
+        assert p.wait(timeout=300) == 0, "\n".join(f.read_text()[-3000:] for f in tmp_path.glob("*.log"))
+    joins = {name: json.loads((tmp_path / f"{name}.join.json").read_text()) for name in ("us-east-1-0", "eu-west-1-0", "eu-west-1-1")}
+    source = joins["us-east-1-0"]["before"]
+    assert all(doc["after"] == source and doc["round"] == 0 for doc in joins.values()), joins
+    ap_join = json.loads((tmp_path / "ap-southeast-1-0.join.json").read_text())
+    assert ap_join["after"] == ap_join["before"] != source and ap_join["round"] == 0, ap_join  # its own parameters
+    assert ap_join["bytes_read"] == 0 and ap_join["store_bytes"] < 1_000_000, ap_join
+    ap_log = (tmp_path / "ap-southeast-1-0.log").read_text()
+    came = "DiLoCo: region ap-southeast-1 came after outer round 0 closed; it takes the outer state in its first round"
+    assert ap_log.count(came) == 1 and "Traceback" not in ap_log, ap_log[-3000:]
+    us = {r["round"]: r for r in records(tmp_path, "us-east-1-0")}
+    assert sorted(us) == list(range(1, 9)) and not any(r["adopted"] for r in us.values())
+    ap = records(tmp_path, "ap-southeast-1-0")
+    assert ap[0]["round"] == ap_join["round"] + 1, (ap_join, ap[0])
+    late = [r for r in ap if "ap-southeast-1" not in r["regions"]]
+    back = ap[len(late) :]
+    assert len(late) <= 1 and back and back[0]["adopted"], ap  # at most one round it came too late for
+    for r in back:
+        if r["round"] in us:  # with the others: the same parameters from the round it took the state on
+            assert r["digest"] == us[r["round"]]["digest"] and "ap-southeast-1" in us[r["round"]]["regions"], (r, us[r["round"]])
+    assert all(r["store_bytes"] < 1_000_000 for name in ("us-east-1-0", "ap-southeast-1-0") for r in records(tmp_path, name))

@@ -1,5 +1,6 @@
 """``geoshard train --regions ... --sync diloco`` as a user runs it: each region a torchrun job of
-its own, DDP inside the region, outer rounds through the store the launcher hosts; a region lost
+its own, DDP inside the region, outer rounds peer to peer (the default transport; the store the
+launcher hosts for membership); a region lost
 mid-run (agent, ranks and loader workers SIGKILLed, as in a spot reclaim) is started again and
 rejoins while the others never restart; every sample of every region is consumed exactly once per
 epoch; the report shows the rounds, each region's losses and the compute utilization."""
@@ -77,8 +78,8 @@ def test_diloco_trains_each_region_alone_between_rounds_and_the_loss_goes_down(t
     for region, n in ((US, 2), (EU, 1)):
         assert (
             f"geoshard.trainer: {region}: {n} of the job's 3 rank(s); {INNER[n > 1]}, DiLoCo across {US}:2,{EU}:1 "
-            f"every {h} steps (outer lr 0.7, momentum 0.9, Nesterov, fp16)"
-        ) in done.stdout
+            f"every {h} steps (outer lr 0.7, momentum 0.9, Nesterov, fp16; peer to peer, sharded over every rank, 8 streams)"
+        ) in done.stdout  # the default transport
     report = json.loads((out / "report.json").read_text())
     assert report["sync"] == "diloco" and report["world_size"] == 3 and report["complete"]
     assert report["loss_last"] < report["loss_first"] - 0.05, (report["loss_first"], report["loss_last"])

@@ -330,7 +330,8 @@ def test_cli_text_output_whole(tmp_path: Path) -> None:
 
 
 def test_cli_json_uses_report_names_and_the_plans_prices(tmp_path: Path) -> None:
-    r = _simulate(tmp_path, "--steps", "40", "--hidden", "512", "--sync", "diloco", "--outer-steps", "10", "--json", "--rehearsal")
+    argv = ("--steps", "40", "--hidden", "512", "--sync", "diloco", "--outer-steps", "10", "--outer-transport", "store")
+    r = _simulate(tmp_path, *argv, "--json", "--rehearsal")  # the store transport's star: its egress per pair
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
     assert set(rep) == {

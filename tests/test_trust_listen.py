@@ -143,7 +143,7 @@ def external_addresses() -> list[str]:
     [
         ("--region", EU, "--nproc", "2"),
         ("--regions", f"{US}:1,{EU}:1"),
-        ("--regions", f"{US}:1,{EU}:1", "--sync", "diloco", "--outer-steps", "5"),
+        ("--regions", f"{US}:1,{EU}:1", "--sync", "diloco", "--outer-steps", "5", "--outer-transport", "store"),
         ("--regions", f"{US}:1,{EU}:2", "--sync", "diloco", "--outer-steps", "5", "--outer-transport", "p2p"),
     ],
     ids=["one-region", "regions", "diloco", "diloco-p2p"],
@@ -169,7 +169,8 @@ def test_under_wan_every_listener_is_on_its_regions_address(plan: Path, tmp_path
     out = tmp_path / "run"
     argv = [GEOSHARD, "train", "--plan", str(plan), "--regions", f"{US}:1,{EU}:1", "--sync", sync.split("-")[0], *FLAGS, "--steps", "15"]
     argv += ["--outer-steps", "5"] if sync.startswith("diloco") else []
-    argv += ["--outer-transport", "p2p"] if sync == "diloco-p2p" else []  # the exchange's gloo sockets too
+    if sync.startswith("diloco"):  # p2p: the exchange's gloo sockets too
+        argv += ["--outer-transport", "p2p" if sync == "diloco-p2p" else "store"]
     code, seen = watch([*argv, "--out", str(out), "--wan", str(matrix)], tmp_path / "run.log")
     assert code == 0, (tmp_path / "run.log").read_text()[-3000:]
     assert not wildcard(seen), wildcard(seen)

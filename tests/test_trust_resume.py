@@ -4,6 +4,7 @@ anything starts; never that region from step 0 publishing fresh weights as the j
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -47,3 +48,10 @@ def test_diloco_resume_with_every_regions_checkpoints_goes_on(tmp_path: Path) ->
     r = train(plan, out, "--steps", "15", "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed at step 10" in (out / "logs" / "stderr.log").read_text()
+    # A new store: round 0 again, us-east-1's checkpointed parameters peer to peer (the default
+    # transport), the store carrying membership and rendezvous only.
+    for region in (US, EU):
+        recs = [json.loads(x) for x in (out / f"rounds-{region}.jsonl").read_text().splitlines()]
+        join = [x for x in recs if x["event"] == "join"][-1]
+        assert join["step"] == 10 and join["round"] == 0 and join["created"] == (region == US), join
+        assert join["transport"] == "p2p" and 0 < join["store_bytes"] < 1_000_000, join

@@ -104,7 +104,7 @@ class TrainConfig:
     outer_store: str | None = None  # HOST:PORT of the store the region leaders meet in (geoshard train hosts it)
     outer_regions: str | None = None  # the job's regions and ranks, REGION:RANKS,... (the same on every region)
     outer_secret_file: str | None = None  # the job's secret that signs the store's values (its path, never the secret)
-    outer_transport: str = "store"  # p2p: pseudo-gradients over gloo, sharded over every rank; the store for membership
+    outer_transport: str = "p2p"  # p2p: pseudo-gradients over gloo, sharded over every rank; the store for membership
     outer_streams: int = 4  # p2p: concurrent all-reduces per shard and pair of peers
     outer_wan: str | None = None  # p2p: a WAN matrix (TOML) that orders the exchange's rings (geoshard train --wan sets it)
     utilization_target: float = 0.95  # compute time / wall time the report holds the job to

@@ -94,7 +94,7 @@ _OPTIONS = [
     click.option(
         "--outer-transport",
         type=click.Choice(OUTER_TRANSPORTS),
-        default="store",
+        default="p2p",
         show_default=True,
         help="DiLoCo: pseudo-gradients through the outer store, or p2p: over gloo between the regions' ranks, "
         "sharded over every rank (the store for membership only).",

@@ -7,12 +7,15 @@ argv: MODE REGION REGION_RANK REGION_SIZE REGION_PORT STORE_PORT OUT
          then the same with outer lr 0.7 (which must not match)
   loss   H=5, inner AdamW, the paper's outer settings and fp16; each region writes the eval loss per round
   trust  H=5 under the default prefix, where the test planted values before the regions joined
+  With DILOCO_TRANSPORT=p2p in the environment (and DILOCO_RANKS, each region's rank count in
+  REGIONS' order, e.g. 2,1) the rounds go peer to peer (every rank meets the others through the store).
   chaos  paced rounds until the store holds ``stop``; one JSON line per round (pid, digest of the
          parameters) in OUT/REGION-RANK.jsonl; the test kills and restarts a region
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import faulthandler
 import hashlib
@@ -75,12 +78,17 @@ class Region:
                 "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank, world_size=self.size, timeout=datetime.timedelta(seconds=60)
             )
             self.group = dist.group.WORLD
-        self.store = connect_store("127.0.0.1", self.store_port, timeout_s=30) if self.rank == 0 else None
+        self.transport = os.environ.get("DILOCO_TRANSPORT", "store")
+        self.ranks = [int(n) for n in os.environ.get("DILOCO_RANKS", "1,1").split(",")]
+        p2p = self.transport == "p2p"
+        self.store = connect_store("127.0.0.1", self.store_port, timeout_s=30) if self.rank == 0 or p2p else None
 
     def trainer(self, sync: OuterSync, prefix: str, lr: float, adamw: bool = False) -> tuple[nn.Module, nn.Module, DiLoCo]:
         model = make_model()
         wrapped = DDP(model, process_group=self.group) if self.group is not None else model
-        diloco = DiLoCo(model, sync, self.region, REGIONS, group=self.group, prefix=prefix, secret=self.secret)
+        sync = dataclasses.replace(sync, transport=self.transport)
+        ranks = self.ranks if self.transport == "p2p" else None
+        diloco = DiLoCo(model, sync, self.region, REGIONS, group=self.group, prefix=prefix, secret=self.secret, ranks=ranks)
         self.joined = diloco.join(self.store)
         params = list(model.parameters())
         self.opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=lr) if adamw else torch.optim.SGD(params, lr=lr)

@@ -13,6 +13,12 @@ argv: MODE REGION RANK STORE_PORT MEMBERS COMPRESSION OUT [REGION_PORT [AGAIN]]
   rejoin like kill, with a model of 330k parameters (its fp32 outer state, 2.6 MB, is more than the
          store may carry), 10 rounds paced by 0.5 s a step; started again with AGAIN=again, the
          region rejoins and takes part until the others finish
+  first  DiLoCo for 2 rounds from a fresh job, every rank's model seeded apart (region, rank), with
+         330k parameters: round 0 (the first region's parameters) goes peer to peer; each rank writes
+         its digest before and after join, and its join's store bytes, to OUT/REGION-RANK.join.json
+  late   like first, 8 rounds paced by 0.5 s a step, the join's wait 4 s, the others' first step
+         6 s after join; ap-southeast-1 starts 8 s late (after round 0 closed, before round 1
+         did): it keeps its own parameters and takes the outer state in its first round
   Each DiLoCo rank appends its round records (with the time) to OUT/REGION-RANK.jsonl. A region of
   several ranks is its own gloo world on 127.0.0.1:REGION_PORT.
 """
@@ -44,6 +50,10 @@ def contribution(i: int) -> torch.Tensor:
     return torch.randn(NUMEL, generator=torch.Generator().manual_seed(i))
 
 
+def digest(model: torch.nn.Module) -> str:
+    return hashlib.sha256(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().tobytes()).hexdigest()[:16]
+
+
 def rounds(mode: str, region: str, rank: int, store: dist.TCPStore, members: list[tuple[str, int]], compression: str, out: str) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     names = [g for g, _ in members]
@@ -52,12 +62,14 @@ def rounds(mode: str, region: str, rank: int, store: dist.TCPStore, members: lis
     if n > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[8]}", rank=rank, world_size=n)
         group = dist.group.WORLD
-    torch.manual_seed(0)
-    width = 8192 if mode == "rejoin" else 64
+    torch.manual_seed(names.index(region) * 100 + rank + 1 if mode in ("first", "late") else 0)
+    big = mode in ("rejoin", "first", "late")
+    width = int(os.environ.get("P2P_WIDTH", "8192")) if big else 64  # P2P_WIDTH: measurements at other sizes
     model = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.Tanh(), torch.nn.Linear(width, 8))
     again = len(sys.argv) > 9 and sys.argv[9] == "again"
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    sync = OuterSync(outer_steps=2, transport="p2p", streams=2, compression=compression, round_timeout_s=20.0)
+    join_s = 4.0 if mode == "late" else 300.0
+    sync = OuterSync(outer_steps=2, transport="p2p", streams=2, compression=compression, round_timeout_s=20.0, join_timeout_s=join_s)
 
     def corrupt(r: int, s: int, t: torch.Tensor) -> None:
         if mode == "mac" and region == "eu-west-1" and rank == 0 and r == 2:
@@ -68,13 +80,22 @@ def rounds(mode: str, region: str, rank: int, store: dist.TCPStore, members: lis
 
     secret = read_secret(Path(out, "secret"))
     diloco = DiLoCo(model, sync, region, names, group=group, secret=secret, ranks=[k for _, k in members], corrupt=corrupt)
+    if mode == "late" and region == "ap-southeast-1":
+        time.sleep(8.0)  # round 0 closes 4 s after the others are ready
+    before, started = digest(model), time.time()
     joined = diloco.join(store)
+    if mode == "late" and region != "ap-southeast-1":
+        time.sleep(6.0)  # round 1 closes well after round 0: ap-southeast-1 comes in between
+    if mode in ("first", "late"):
+        doc = {"before": before, "after": digest(model), "store_bytes": diloco.join_store_bytes, "bytes_read": joined.bytes_read}
+        doc["join_s"] = time.time() - started
+        Path(out, f"{region}-{rank}.join.json").write_text(json.dumps({**doc, "round": joined.round, "created": joined.created}))
     g = torch.Generator().manual_seed(names.index(region) * 100 + rank)
-    total = {"mac": 3, "kill": 4, "stop": 4, "rejoin": 10}[mode]
-    first = joined.round * 2 if again else 0  # a region that rejoins counts steps from the job's round
+    total = {"mac": 3, "kill": 4, "stop": 4, "rejoin": 10, "first": 2, "late": 8}[mode]
+    first = joined.round * 2 if again or mode == "late" else 0  # a region that (re)joins late counts steps from the job's round
     with Path(out, f"{region}-{rank}.jsonl").open("a") as f:
         for step in range(first + 1, 2 * total + 1):
-            if mode == "rejoin":
+            if mode in ("rejoin", "late"):
                 time.sleep(0.5)
             x = torch.randn(16, 32, generator=g)
             loss = torch.nn.functional.mse_loss(model(x), x[:, :8])
@@ -83,8 +104,7 @@ def rounds(mode: str, region: str, rank: int, store: dist.TCPStore, members: lis
             opt.step()
             rec = diloco.maybe_sync(step)
             if rec is not None:
-                digest = hashlib.sha256(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().tobytes()).hexdigest()[:16]
-                f.write(json.dumps({**rec.to_dict(), "time": time.time(), "digest": digest}) + "\n")
+                f.write(json.dumps({**rec.to_dict(), "time": time.time(), "digest": digest(model)}) + "\n")
                 f.flush()
     diloco.leave()
 

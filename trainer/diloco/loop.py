@@ -110,9 +110,11 @@ class OuterLoop:
             # round, which its checkpoint held, are gone.
             lost += step - int(resumed.get("last_round_step", step))
         self.last_round_step = step
-        self._write(
-            RoundRecord(rec.round, step, bytes_read=rec.bytes_read, event="join", created=rec.created, steps_lost=lost, refused=rec.refused)
-        )
+        joined = RoundRecord(rec.round, step, bytes_read=rec.bytes_read, event="join", created=rec.created, steps_lost=lost)
+        joined = dataclasses.replace(joined, refused=rec.refused)
+        if self.diloco.sync.transport == "p2p":  # round 0 went peer to peer: what the store carried for the join
+            joined = dataclasses.replace(joined, transport="p2p", store_bytes=self.diloco.join_store_bytes)
+        self._write(joined)
 
     def after_step(self, step: int) -> None:
         self._record(self.diloco.maybe_sync(step))

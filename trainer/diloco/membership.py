@@ -70,7 +70,7 @@ class Membership:
         """The leader's part of round ``r``'s ``attempt`` (``previous``: the failed attempt's members;
         ``fresh``: this region rejoined and needs the outer state)."""
         self.kv.set(self._key(r, attempt, "ready", self.region), "fresh" if fresh else "1")
-        entries, _ = self.roster.read()
+        entries = self.roster.entries(self.regions)  # no `latest`: nothing is published through the store
         gone = Roster.gone(entries)
         closed = self._closed(r, attempt) if self.kv.store.check([self.members_key(r, attempt)]) else None
         if closed is None:
@@ -86,6 +86,33 @@ class Membership:
                 closed = self._closed(r, attempt)
         if closed is None:  # not closed within the wait, or its members refused
             return Decision((), f"{r}.{attempt}", False, frozenset(gone), ())
+        members, name, rejoined = closed
+        return Decision(members, name, self.region in members, frozenset(gone), rejoined)
+
+    def decide_first(self, source: str, join_timeout_s: float) -> Decision:
+        """Round 0 peer to peer (a fresh or wholly resumed job): which regions take ``source``'s
+        parameters (the job's first region, which created the job) over the shards' groups. Every
+        job region is expected, for up to ``join_timeout_s`` (the regions' start-up skew: a later
+        round has H steps of slack for it, round 0 none); it closes as soon as all are ready. A
+        region that comes after round 0 closed (late, or restarted since) is not a member: it takes
+        the outer state in its first round instead."""
+        if self.kv.store.check([self.members_key(0, 0)]):  # closed before its ready key: it cannot be a member
+            closed = self._closed(0, 0)
+            return Decision(() if closed is None else closed[0], "0.0", False, frozenset(), ())
+        self.kv.set(self._key(0, 0, "ready", self.region), "1" if self.region == source else "fresh")
+        entries = self.roster.entries(self.regions)  # no `latest`: nothing is published through the store
+        gone = Roster.gone(entries)
+        closed = self._closed(0, 0) if self.kv.store.check([self.members_key(0, 0)]) else None
+        if closed is None:
+            expected = [g for g in self.regions if g not in gone]
+            ready, left = self._await(0, 0, expected, join_timeout_s)
+            gone |= left
+            if self.kv.store.add(self._key(0, 0, "close"), 1) == 1:
+                closed = self._close(0, 0, [g for g in expected if g not in left], ready, entries)
+            elif self.kv.wait_all([self.members_key(0, 0)], join_timeout_s):
+                closed = self._closed(0, 0)
+        if closed is None:
+            return Decision((), "0.0", False, frozenset(gone), ())
         members, name, rejoined = closed
         return Decision(members, name, self.region in members, frozenset(gone), rejoined)
 
@@ -110,7 +137,7 @@ class Membership:
         for g in expected:
             if g not in members:  # lost, or too slow: not waited for again until it announces itself
                 self.roster.mark_lost(g, entries.get(g, ""))
-        last = self._last(r - 1) if attempt == 0 and r > 1 else None
+        last = self._last(r - 1) if attempt == 0 and r > 0 else None  # round 1 reuses round 0's groups
         # the previous round's groups serve again when its last attempt had these members and did not fail
         reuse = last is not None and self._members(r - 1, last) == members and not self.kv.store.check([self._key(r - 1, last, "failed")])
         since = self._read_since(r - 1, last) if reuse and last is not None else f"{r}.{attempt}"

@@ -27,8 +27,8 @@ from torch.distributed import BroadcastOptions
 from geoshard.trainer.diloco import mac
 from geoshard.trainer.diloco.auth import Refused
 from geoshard.trainer.diloco.groups import Bind, CountingStore, GroupCache, gloo_group
-from geoshard.trainer.diloco.kv import KV
-from geoshard.trainer.diloco.membership import MAX_ATTEMPTS, Decision, Membership
+from geoshard.trainer.diloco.kv import KV, OuterSyncError
+from geoshard.trainer.diloco.membership import MAX_ATTEMPTS, Decision, Membership, last_round
 from geoshard.trainer.diloco.optimizer import OuterOptimizer
 from geoshard.trainer.diloco.record import RoundRecord
 from geoshard.trainer.diloco.ring import restrict
@@ -144,10 +144,65 @@ class P2PExchange:
         rec = replace(rec, adopted=adopted, refused=refused, left_out=left_out, transport="p2p", store_bytes=store_bytes)
         return replace(rec, phases=self.phases.record()), full
 
-    def _decide(self, r: int, attempt: int, previous: tuple[str, ...]) -> Decision:
-        """The leader decides through the store; every rank of the region gets the same decision."""
+    # -- round 0 ------------------------------------------------------------------------------------
+    def first_round(self, source: str, current: torch.Tensor, join_timeout_s: float) -> tuple[torch.Tensor, int, int]:
+        """Round 0 (a fresh or wholly resumed job): every region starts from ``source``'s parameters
+        (the job's first region: its own, or its checkpoint's). ``source``'s owners broadcast their
+        fp32 shards on the shards' groups (round 1 reuses them while its members are the same), the
+        other member regions' owners take them, and each region gathers them: the store carries the
+        membership and the groups' rendezvous only. The full parameters, the bytes this rank
+        received across regions, and the round the region starts from (0). A region that came
+        after round 0 closed keeps ``current``, starts from the newest closed round (as a region
+        that rejoins does) and takes the outer state in its first round (``fresh``)."""
+        d = self._decide(0, 0, (), lambda: self.membership.decide_first(source, join_timeout_s))
+        if source not in d.members:
+            raise OuterSyncError(
+                f"DiLoCo: outer round 0 closed without {source}, whose parameters every region starts from "
+                f"(it did not come within {join_timeout_s:g} s); start the job again"
+            )
+        if not d.member:
+            log.warning("DiLoCo: region %s came after outer round 0 closed; it takes the outer state in its first round", self.region)
+            self.fresh = True
+            last = last_round(self.kv) if self.layout.k == 0 else 0  # rounds may have closed since round 0
+            if self.layout.k == 0:
+                self.membership.roster.announce(self.region, last + 1)
+            self.opt.reset(self.own(current), None)
+            return current, 0, region_max(self.region_group, last)
+        own = self._pieces(self.own(current))
+        received = 0
+        if len(d.members) > 1:
+            ring = Ring(tuple((g, self.job[g]) for g in restrict(self.ring, d.members)), f"m{d.name}")
+            timeout = self.sync.round_timeout_s
+            args = (self.region, self.sync.streams, self.bind, timeout, self.cache)
+            groups = ShardGroups(self.store, self.kv.key("pg"), self.layout, ring, *args)
+            try:
+                make_groups(groups, self.layout.mine)
+                works = []
+                for s in self.layout.mine:
+                    for c, (a, b) in enumerate(groups.pieces(s)):
+                        opts = BroadcastOptions()
+                        opts.rootRank = ring.index(source)
+                        works.append(groups.group(s, c).broadcast([own[s][a:b]], opts))
+                for w in works:
+                    w.wait()
+            except RuntimeError as e:  # a peer lost while round 0 travelled: the job starts again
+                if self.layout.k == 0:
+                    self.membership.mark_failed(0, 0)
+                raise OuterSyncError(f"DiLoCo: outer round 0 from {source} failed: {str(e).strip()[:160]}") from None
+            received = 0 if self.region == source else 4 * self.layout.own_numel
+        bad = sum(int((~torch.isfinite(t)).sum()) for t in own.values())
+        if region_max(self.region_group, int(bad > 0)):
+            raise OuterSyncError(f"DiLoCo: outer round 0 from {source}: parameters that are NaN or infinite arrived; refused")
+        self.opt.reset(torch.cat([own[s] for s in self.layout.mine]), None)
+        full, _ = gather_in_region(self.region_group, self.layout, self._pieces(self.opt.params))
+        return full, received, 0
+
+    def _decide(self, r: int, attempt: int, previous: tuple[str, ...], first: Callable[[], Decision] | None = None) -> Decision:
+        """The leader decides through the store (``first``: round 0's decision); every rank of the
+        region gets the same decision."""
         self.phases.tick("other")
-        d = self.membership.decide(r, attempt, previous, self.fresh) if self.layout.k == 0 else None
+        decide = first or (lambda: self.membership.decide(r, attempt, previous, self.fresh))
+        d = decide() if self.layout.k == 0 else None
         self.phases.tick("members")
         if self.region_group is None:
             assert d is not None

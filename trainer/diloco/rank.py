@@ -82,6 +82,8 @@ class DiLoCo:
         self._step = 0  # the last inner step maybe_sync saw
         self._p2p: P2PExchange | None = None  # every rank's, from join on (transport p2p)
         self._rejoined = False  # p2p: the leader joined a job that had rounds: the state comes in the next round
+        self._first = False  # p2p: the leader joined before round 0: the first region's parameters come in join
+        self.join_store_bytes = 0  # p2p: the bytes this rank's store client carried for join (round 0 included)
         self._p2p_args = (tuple(ranks or ()), bind, tuple(ring or regions), corrupt)
         if sync.transport == "p2p" and len(self._p2p_args[0]) != len(self.regions):
             raise ConfigError(f"DiLoCo p2p: give the rank count of each of the job's {len(self.regions)} regions (ranks=...)")
@@ -168,20 +170,25 @@ class DiLoCo:
         self.round = rec.round + 1
         if p2p:
             assert isinstance(store, CountingStore)
-            self._join_p2p(store)
+            got, start = self._join_p2p(store)
+            rec = dataclasses.replace(rec, bytes_read=got, round=max(rec.round, start))
+            self.round = rec.round + 1
+            self.join_store_bytes = store.carried
         return rec
 
-    def _join_p2p(self, store: CountingStore) -> None:
+    def _join_p2p(self, store: CountingStore) -> tuple[int, int]:
         """Every rank: its shards of the outer state (parameters in place since ``join``; momentum
-        from the leader) and its exchange, whose region group meets under a token of this join."""
+        from the leader) and its exchange, whose region group meets under a token of this join;
+        before round 0, round 0 itself (the first region's parameters, peer to peer). The bytes
+        this rank received across regions, and the round the region starts from."""
         ranks, bind, ring, corrupt = self._p2p_args
         flat = self._flat()
         mom = self._opt.momentum() if self.is_leader and self._opt.momentum() is not None else None
         token = time.time_ns() if self.is_leader else 0
-        box = [(token, mom is not None, self._rejoined)]
+        box = [(token, mom is not None, self._rejoined, self._first)]
         if self.group is not None:
             dist.broadcast_object_list(box, group=self.group, group_src=0)
-        token, has_mom, rejoined = box[0]
+        token, has_mom, rejoined, first = box[0]
         if has_mom:
             mom = mom if self.is_leader else torch.empty_like(flat)
             assert mom is not None
@@ -194,6 +201,13 @@ class DiLoCo:
         self._p2p = P2PExchange(store, kv, self.sync, self.region, job, ring, rank, bind, flat.numel(), opt, str(token), corrupt)
         opt.reset(self._p2p.own(flat), None if mom is None else self._p2p.own(mom))
         self._p2p.fresh = rejoined
+        if not first:
+            return 0, 0
+        full, got, start = self._p2p.first_round(self.regions[0], flat, self.sync.join_timeout_s)
+        self._load_flat(full)
+        if self.is_leader:  # the leader's whole outer parameters, as the store transport's leader has them
+            self._opt.reset(full, None)
+        return got, start
 
     def _join_store(self, store: Store) -> JoinRecord:
         """The leader's part of ``join``."""
@@ -208,6 +222,8 @@ class DiLoCo:
             self._rejoined = True
             ex.roster.announce(self.region, last + 1)
             return JoinRecord(last, 0, False, 0, refused=ex.refused())
+        if self.sync.transport == "p2p":
+            return self._join_first_p2p(store, kv, ex)
         newest = latest(kv)
         if newest is None and self.region == self.regions[0] and store.add(kv.key("created"), 1) == 1:
             self._opt.reset(self._flat(), None)
@@ -236,6 +252,26 @@ class DiLoCo:
         # The others wait for this region from the round after the one it starts from.
         ex.roster.announce(self.region, rec.round + 1)
         return dataclasses.replace(rec, refused=ex.refused())
+
+    def _join_first_p2p(self, store: Store, kv: KV, ex: Exchange) -> JoinRecord:
+        """The leader's part of a p2p join before any round: the job's first region creates the job
+        (its settings, the roster); the others check its settings. Its parameters (its own, or its
+        checkpoint's when the whole job is resumed) reach them in round 0 peer to peer
+        (``P2PExchange.first_round``), never through the store."""
+        created = self.region == self.regions[0] and store.add(kv.key("created"), 1) == 1
+        if created:
+            kv.set(kv.key("config"), json.dumps(self._contract()))
+            ex.roster.start()
+        elif not kv.wait_all([kv.key("config")], self.sync.join_timeout_s):
+            raise OuterSyncError(
+                f"DiLoCo: region {self.region} found no job in the store within {self.sync.join_timeout_s:g} s "
+                f"(key {kv.key('config')}, which {self.regions[0]} sets when it starts)"
+            )
+        else:
+            self._check_contract(kv)
+        self._opt.reset(self._flat(), None)
+        self._first = True
+        return JoinRecord(0, 0, created, 0, refused=ex.refused())
 
     # -- the outer round ------------------------------------------------------------------------
     def _encode(self, delta: torch.Tensor) -> bytes:
