@@ -351,6 +351,26 @@ def test_round_0_goes_peer_to_peer_and_every_region_starts_from_the_first_region
 
 
 @pytest.mark.slow
+def test_round_0_parameters_changed_on_the_wire_are_refused_by_their_signed_digests(tmp_path: Path) -> None:
+    """us-east-1 publishes the signed HMAC of each round-0 piece it sends, then changes its shards
+    (by 1e-3: a tamperer on the wire): every eu-west-1 rank refuses round 0 in one line and stops
+    before using them; us-east-1 goes on alone."""
+    store = host_store("127.0.0.1", timeout_s=60)
+    procs = start_ranks("forge0", "us-east-1:1,eu-west-1:2", tmp_path, store.port)
+    codes = [p.wait(timeout=300) for p in procs]
+    logs = "\n".join(f.read_text()[-3000:] for f in tmp_path.glob("*.log"))
+    assert codes == [0, 3, 3], (codes, logs)
+    for k in range(2):
+        line = (tmp_path / f"eu-west-1-{k}.refused").read_text()
+        head = "DiLoCo: outer round 0 from us-east-1: refused"
+        mine = f"piece 0 of diloco/r/0/0/state/{k}: the bytes that arrived do not match the source's signed digest"
+        assert line in (f"{head} ({mine})", f"{head} (another rank of the region refused its shard)"), line
+        assert not (tmp_path / f"eu-west-1-{k}.join.json").exists()  # it stopped before using them
+    assert "Traceback" not in logs, logs
+    assert [r["regions"] for r in records(tmp_path, "us-east-1-0")][-1] == ["us-east-1"]
+
+
+@pytest.mark.slow
 def test_a_region_that_comes_after_round_0_closed_takes_the_outer_state_in_its_first_round(tmp_path: Path) -> None:
     """us-east-1 and eu-west-1 (2 ranks) take round 0 among themselves (the join's wait 4 s);
     ap-southeast-1 starts 8 s late, after round 0 closed and before round 1 did (the others take

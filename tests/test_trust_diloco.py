@@ -26,7 +26,7 @@ from test_diloco import REGIONS, SECRET, _port, finish, rounds_at, start
 from torch import nn
 
 from geoshard.errors import ConfigError
-from geoshard.trainer.diloco import DiLoCo, OuterSync, RoundRecord, connect_store, host_store
+from geoshard.trainer.diloco import DiLoCo, OuterSync, RoundRecord, connect_store, host_store, state_auth
 from geoshard.trainer.diloco.auth import Signer, read_secret
 from geoshard.trainer.diloco.kv import KV
 from geoshard.trainer.diloco.report import outer_section
@@ -204,6 +204,30 @@ def test_unsigned_values_are_refused_and_a_value_cannot_be_replayed_under_anothe
     assert kv.signer.refused == {"unauthenticated": 2}
     other = KV(kv.store, "diloco", Signer(secrets.token_bytes(32)))  # another job's secret
     assert other.get("diloco/r/1/members") is None
+
+
+def test_state_sent_by_broadcast_is_checked_exactly_against_its_signed_digests() -> None:
+    """Round 0's and a rejoin's state (``state_auth``): the pieces that arrived pass only when every
+    bit is the sender's; a changed bit, a digest replayed under another key, one unsigned, a wrong
+    count or none at all are each refused in one reason, never a traceback."""
+    server = host_store()
+    kv = KV(connect_store("127.0.0.1", server.port), "diloco", Signer(SECRET))
+    sent = torch.randn(10_001)
+    pieces = [sent[:5000], sent[5000:]]
+    state_auth.publish(kv, "diloco/r/0/0/state/0", pieces)
+    assert state_auth.check(kv, "diloco/r/0/0/state/0", [p.clone() for p in pieces], 1.0) == ""
+    bit = sent.clone()
+    bit.view(torch.int32)[7000] ^= 1  # the last bit of one value's mantissa
+    why = state_auth.check(kv, "diloco/r/0/0/state/0", [bit[:5000], bit[5000:]], 1.0)
+    assert why == "piece 1 of diloco/r/0/0/state/0: the bytes that arrived do not match the source's signed digest", why
+    kv.store.set("diloco/r/0/0/state/1", kv.store.get("diloco/r/0/0/state/0"))  # replayed under shard 1's key
+    assert state_auth.check(kv, "diloco/r/0/0/state/1", pieces, 1.0) == "diloco/r/0/0/state/1 is not signed by the job"
+    kv.store.set("diloco/r/0/0/state/2", "0" * 64)  # unsigned
+    assert state_auth.check(kv, "diloco/r/0/0/state/2", pieces, 1.0) == "diloco/r/0/0/state/2 is not signed by the job"
+    assert state_auth.check(kv, "diloco/r/0/0/state/0", pieces[:1], 1.0) == "diloco/r/0/0/state/0 holds 2 digests for the 1 pieces sent"
+    missing = state_auth.check(kv, "diloco/r/0/0/state/3", pieces, 0.2)
+    assert missing == "the source's signed digests (diloco/r/0/0/state/3) did not arrive within 0.2 s"
+    assert kv.signer.refused == {"unauthenticated": 3, "malformed": 1}
 
 
 def test_a_region_that_finished_is_never_counted_missing_nor_waited_for() -> None:

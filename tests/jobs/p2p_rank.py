@@ -19,6 +19,9 @@ argv: MODE REGION RANK STORE_PORT MEMBERS COMPRESSION OUT [REGION_PORT [AGAIN]]
   late   like first, 8 rounds paced by 0.5 s a step, the join's wait 4 s, the others' first step
          6 s after join; ap-southeast-1 starts 8 s late (after round 0 closed, before round 1
          did): it keeps its own parameters and takes the outer state in its first round
+  forge0 like first, but us-east-1's rank changes its round-0 shards after publishing their signed
+         digests (as a tamperer on the wire would): a rank that refuses round 0 writes its one line
+         to OUT/REGION-RANK.refused and exits 3
   Each DiLoCo rank appends its round records (with the time) to OUT/REGION-RANK.jsonl. A region of
   several ranks is its own gloo world on 127.0.0.1:REGION_PORT.
 """
@@ -41,6 +44,7 @@ import torch.distributed as dist
 from geoshard.trainer.diloco import DiLoCo, OuterSync
 from geoshard.trainer.diloco.auth import read_secret
 from geoshard.trainer.diloco.groups import CountingStore
+from geoshard.trainer.diloco.kv import OuterSyncError
 from geoshard.trainer.diloco.sharded import sharded_allreduce
 
 NUMEL = 100_003  # not a multiple of any shard count
@@ -62,8 +66,8 @@ def rounds(mode: str, region: str, rank: int, store: dist.TCPStore, members: lis
     if n > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[8]}", rank=rank, world_size=n)
         group = dist.group.WORLD
-    torch.manual_seed(names.index(region) * 100 + rank + 1 if mode in ("first", "late") else 0)
-    big = mode in ("rejoin", "first", "late")
+    torch.manual_seed(names.index(region) * 100 + rank + 1 if mode in ("first", "late", "forge0") else 0)
+    big = mode in ("rejoin", "first", "late", "forge0")
     width = int(os.environ.get("P2P_WIDTH", "8192")) if big else 64  # P2P_WIDTH: measurements at other sizes
     model = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.Tanh(), torch.nn.Linear(width, 8))
     again = len(sys.argv) > 9 and sys.argv[9] == "again"
@@ -72,6 +76,8 @@ def rounds(mode: str, region: str, rank: int, store: dist.TCPStore, members: lis
     sync = OuterSync(outer_steps=2, transport="p2p", streams=2, compression=compression, round_timeout_s=20.0, join_timeout_s=join_s)
 
     def corrupt(r: int, s: int, t: torch.Tensor) -> None:
+        if mode == "forge0" and region == "us-east-1" and r == 0:
+            t.add_(1e-3)
         if mode == "mac" and region == "eu-west-1" and rank == 0 and r == 2:
             t.add_(1.0)
         if mode in ("kill", "rejoin", "stop") and region == "ap-southeast-1" and r == 2 and not again:
@@ -83,15 +89,19 @@ def rounds(mode: str, region: str, rank: int, store: dist.TCPStore, members: lis
     if mode == "late" and region == "ap-southeast-1":
         time.sleep(8.0)  # round 0 closes 4 s after the others are ready
     before, started = digest(model), time.time()
-    joined = diloco.join(store)
+    try:
+        joined = diloco.join(store)
+    except OuterSyncError as e:
+        Path(out, f"{region}-{rank}.refused").write_text(str(e))
+        sys.exit(3)
     if mode == "late" and region != "ap-southeast-1":
         time.sleep(6.0)  # round 1 closes well after round 0: ap-southeast-1 comes in between
-    if mode in ("first", "late"):
+    if mode in ("first", "late", "forge0"):
         doc = {"before": before, "after": digest(model), "store_bytes": diloco.join_store_bytes, "bytes_read": joined.bytes_read}
         doc["join_s"] = time.time() - started
         Path(out, f"{region}-{rank}.join.json").write_text(json.dumps({**doc, "round": joined.round, "created": joined.created}))
     g = torch.Generator().manual_seed(names.index(region) * 100 + rank)
-    total = {"mac": 3, "kill": 4, "stop": 4, "rejoin": 10, "first": 2, "late": 8}[mode]
+    total = {"mac": 3, "kill": 4, "stop": 4, "rejoin": 10, "first": 2, "late": 8, "forge0": 2}[mode]
     first = joined.round * 2 if again or mode == "late" else 0  # a region that (re)joins late counts steps from the job's round
     with Path(out, f"{region}-{rank}.jsonl").open("a") as f:
         for step in range(first + 1, 2 * total + 1):

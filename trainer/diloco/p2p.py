@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.distributed import BroadcastOptions
 
-from geoshard.trainer.diloco import mac
+from geoshard.trainer.diloco import mac, state_auth
 from geoshard.trainer.diloco.auth import Refused
 from geoshard.trainer.diloco.groups import Bind, CountingStore, GroupCache, gloo_group
 from geoshard.trainer.diloco.kv import KV, OuterSyncError
@@ -38,6 +38,8 @@ from geoshard.trainer.diloco.sharded import ShardGroups, gather_in_region, make_
 from geoshard.trainer.diloco.shards import Layout, shard_count
 
 log = logging.getLogger(__name__)
+
+OTHER_REFUSED = "another rank of the region refused its shard"
 
 Corrupt = Callable[[int, int, torch.Tensor], None]  # (round, shard, contribution): tests only
 OK, REFUSED, FAILED = 0, 1, 2  # an attempt's outcome on a rank; the region takes the worst
@@ -177,6 +179,11 @@ class P2PExchange:
             groups = ShardGroups(self.store, self.kv.key("pg"), self.layout, ring, *args)
             try:
                 make_groups(groups, self.layout.mine)
+                if self.region == source:
+                    for s in self.layout.mine:
+                        state_auth.publish(self.kv, self.kv.key("r", 0, 0, "state", s), [own[s][a:b] for a, b in groups.pieces(s)])
+                        if self.corrupt is not None:  # tests: a change made on the wire, after the digests
+                            self.corrupt(0, s, own[s])
                 works = []
                 for s in self.layout.mine:
                     for c, (a, b) in enumerate(groups.pieces(s)):
@@ -190,6 +197,11 @@ class P2PExchange:
                     self.membership.mark_failed(0, 0)
                 raise OuterSyncError(f"DiLoCo: outer round 0 from {source} failed: {str(e).strip()[:160]}") from None
             received = 0 if self.region == source else 4 * self.layout.own_numel
+            if self.region != source:
+                sent_to_us = [(self.kv.key("r", 0, 0, "state", s), [own[s][a:b] for a, b in groups.pieces(s)]) for s in self.layout.mine]
+                why = state_auth.check_all(self.kv, sent_to_us, timeout)
+                if region_max(self.region_group, int(bool(why))):
+                    raise OuterSyncError(f"DiLoCo: outer round 0 from {source}: refused ({why or OTHER_REFUSED})")
         bad = sum(int((~torch.isfinite(t)).sum()) for t in own.values())
         if region_max(self.region_group, int(bad > 0)):
             raise OuterSyncError(f"DiLoCo: outer round 0 from {source}: parameters that are NaN or infinite arrived; refused")
@@ -284,7 +296,7 @@ class P2PExchange:
         why = self._check(r, attempt, d, values)
         self.phases.tick("mac_check")
         if d.fresh:
-            sent += self._hand_over(groups, ring, d)
+            sent += self._hand_over(groups, ring, d, self.kv.key("r", r, attempt, "state", d.name))
             self.phases.tick("hand_over")
         return sent, values, why
 
@@ -294,11 +306,11 @@ class P2PExchange:
         for s, t in contributed.items():
             self.kv.set(self.mac_key(r, attempt, name, s, self.region), mac.encode_projections(mac.project(self.kv.signer, tag, s, t)))
 
-    def _hand_over(self, groups: ShardGroups, ring: Ring, d: Decision) -> int:
+    def _hand_over(self, groups: ShardGroups, ring: Ring, d: Decision, key: str) -> int:
         """Regions that rejoined get the outer state (fp32 parameters and momentum) from the first
         member in ring order that did not, peer to peer: each owner broadcasts its shards, in the
         streams' chunks, on the shard's groups, before the step (which every member then takes
-        alike). The bytes this rank sent."""
+        alike), with their signed digests under ``key`` (``state_auth``). The bytes this rank sent."""
         source = next(g for g, _ in ring.members if g not in d.fresh)
         root = ring.index(source)
         mom = self.opt.momentum()
@@ -306,6 +318,13 @@ class P2PExchange:
             s: (p.clone(), torch.zeros_like(p) if mom is None else mom[i : i + p.numel()].clone())
             for s, p, i in self._owned(self.opt.params)
         }
+
+        def pieces(s: int) -> list[torch.Tensor]:
+            return [t for a, b in groups.pieces(s) for t in (state[s][0][a:b], state[s][1][a:b])]
+
+        if self.region == source:
+            for s in state:
+                state_auth.publish(self.kv, f"{key}/{s}", pieces(s))
         works, sent = [], 0
         for s, (params, momentum) in state.items():
             for c, (a, b) in enumerate(groups.pieces(s)):
@@ -317,6 +336,10 @@ class P2PExchange:
         for w in works:
             w.wait()
         if self.region in d.fresh:
+            why = state_auth.check_all(self.kv, [(f"{key}/{s}", pieces(s)) for s in state], self.sync.round_timeout_s)
+            if region_max(self.region_group, int(bool(why))):
+                why = why or OTHER_REFUSED
+                raise OuterSyncError(f"DiLoCo: region {self.region} refused the outer state from {source} ({why}); start it again")
             params = torch.cat([state[s][0] for s in self.layout.mine])
             momentum = torch.cat([state[s][1] for s in self.layout.mine])
             self.opt.reset(params, momentum if self.sync.outer_momentum > 0 else None)
