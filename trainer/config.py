@@ -105,7 +105,7 @@ class TrainConfig:
     outer_regions: str | None = None  # the job's regions and ranks, REGION:RANKS,... (the same on every region)
     outer_secret_file: str | None = None  # the job's secret that signs the store's values (its path, never the secret)
     outer_transport: str = "p2p"  # p2p: pseudo-gradients over gloo, sharded over every rank; the store for membership
-    outer_streams: int = 4  # p2p: concurrent all-reduces per shard and pair of peers
+    outer_streams: int = 8  # p2p: concurrent all-reduces (TCP streams) per pair of regions, as the CLI
     outer_wan: str | None = None  # p2p: a WAN matrix (TOML) that orders the exchange's rings (geoshard train --wan sets it)
     utilization_target: float = 0.95  # compute time / wall time the report holds the job to
     # A flat job across regions: REGION:RANKS,... that numbers its ranks (trainer/rankorder.py);
