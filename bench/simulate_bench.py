@@ -186,7 +186,8 @@ def run_one(spec: Spec, wan: Any, net: Any, endpoints: dict[str, str], env: dict
     )
     before = wan.counters()
     t0 = time.monotonic()
-    code = launch_regions(cfg, parse_regions(spec.ranks), env=env, net=net)
+    with LoadSampler() as sampled:
+        code = launch_regions(cfg, parse_regions(spec.ranks), env=env, net=net)
     seconds = time.monotonic() - t0
     if code != 0:
         raise RuntimeError(f"run {spec.name} failed ({code}); logs in {out}/logs")
@@ -199,7 +200,45 @@ def run_one(spec: Spec, wan: Any, net: Any, endpoints: dict[str, str], env: dict
     # regions' start-up skew, which a model of it would be fitted from.
     rounds = [r["sync_s"] for r in (rep.get("outer") or {}).get("rounds", [])]
     row = {"spec": spec.__dict__, "seconds": round(seconds, 1), "measured": measured, "pairs": crossed, "plan": str(plan), "load": load}
+    row["load_during"] = sampled.summary()
     return {**row, "outer_rounds_s": rounds}
+
+
+class LoadSampler:
+    """The host's load sampled through a run (every second, on a thread): the 1-minute load
+    average and the kernel's count of runnable threads (/proc/stat ``procs_running``, an
+    instantaneous run queue that the 1-minute average smooths over a minute)."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        import threading
+
+        self.every_s, self.loads, self.running = every_s, [], []  # type: ignore[var-annotated]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.loads.append(os.getloadavg()[0])
+            try:
+                stat = Path("/proc/stat").read_text().splitlines()
+                self.running.append(next(int(x.split()[1]) for x in stat if x.startswith("procs_running")))
+            except (OSError, StopIteration, ValueError):  # not Linux: the load average alone
+                pass
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def summary(self) -> dict[str, Any]:
+        def mean(xs: list[float]) -> float | None:
+            return round(statistics.fmean(xs), 2) if xs else None
+
+        return {"samples": len(self.loads), "load_mean": mean(self.loads), "running_mean": mean(self.running),
+                "load_max": round(max(self.loads), 2) if self.loads else None}  # fmt: skip
 
 
 def predict_one(row: dict[str, Any], constants: Path, args: argparse.Namespace) -> dict[str, float | None]:
