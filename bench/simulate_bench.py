@@ -65,6 +65,8 @@ CALIBRATION = (
     Spec("C3", "flat", hidden=1024, accum=2, fp16=True),
     Spec("C4", "diloco", hidden=768, outer_steps=8),
     Spec("C5", "hierarchical", remote=True, hidden=256),
+    # DiLoCo with a two-rank region: the only DDP without a WAN hop (bucket_s; a one-rank region runs no DDP)
+    Spec("C6", "diloco", ranks=TWO, hidden=768, outer_steps=6),
 )
 
 VALIDATION = (
@@ -259,8 +261,11 @@ def predict_one(row: dict[str, Any], constants: Path, args: argparse.Namespace) 
 
 
 def slowdown(row: dict[str, Any]) -> float:
-    """The host's slowdown during a run: its 1-minute load over this machine's 2 cores, at least 1."""
-    return max(1.0, row["load"] / 2)
+    """The host's slowdown during a run: its 1-minute load over this machine's 2 cores, at least 1.
+    The load is the mean of the samples taken through the run (``LoadSampler``); rows from before
+    the sampler have only the load at the run's end."""
+    during = (row.get("load_during") or {}).get("load_mean")
+    return max(1.0, (during if during is not None else row["load"]) / 2)
 
 
 def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
@@ -301,14 +306,18 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
     m = [r["measured"] for r in rows]
     waits = [x["io_wait_share_after_first_batch"] * x["step_s"] / r["spec"]["accum"] / slowdown(r) for x, r in zip(m, rows, strict=True)]
     k = replace(k, batch_s=round(statistics.median(waits), 5))
-    # The comm hook's own time per bucket: DiLoCo's sync with one rank per region has no network.
+    # The comm hook's own time per bucket: DiLoCo's sync in a two-rank region crosses no WAN (a
+    # one-rank region runs no DDP, trainer/comm.py for_sync): the residual over the ring's bytes at
+    # the region's own rate, per bucket and per rank share that runs it (report.json's mean is over all ranks).
     alone = []
     for row in rows:
-        cfg = at(row, k)
-        if cfg.sync == "diloco" and all(r.ranks == 1 for r in cfg.regions) and cfg.params:
+        cfg = at(row, replace(k, bucket_s=0.0))
+        peers = sum(r.ranks for r in cfg.regions if r.ranks > 1)
+        if cfg.sync == "diloco" and peers and cfg.params:
             n = len(grad.buckets(tuple(4 * t for t in cfg.tensor_params)))
-            alone.append(row["measured"]["grad_sync_s_per_step"] / n / slowdown(row))
-    k = replace(k, bucket_s=round(statistics.median(alone), 5) if alone else k.bucket_s)
+            rest = row["measured"]["grad_sync_s_per_step"] - grad.step_exchange(cfg).seconds
+            alone.append(rest * cfg.world_size / peers / n / slowdown(row))
+    k = replace(k, bucket_s=round(max(0.0, statistics.median(alone)), 5) if alone else k.bucket_s)
     # gloo's per-message overhead: the sync's residual over its message count (2(n-1) per bucket).
     trips = []
     for row in rows:
@@ -321,15 +330,23 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
         exchange = grad.mean_exchange(cfg, idle_s=compute_s(cfg)).seconds
         trips.append((row["measured"]["grad_sync_s_per_step"] - exchange) / count / slowdown(row))
     k = replace(k, trip_s=round(max(0.0, statistics.median(trips)), 5) if trips else k.trip_s)
-    # The store's per-request cost: a round's residual over its requests.
-    store = []
+    # The store's per-request cost: a round's residual over its requests, from the rounds after
+    # the first (the first also waits for the regions' start-up skew; rows without the rounds: their mean).
+    store, skews = [], []
     for row in rows:
         cfg = at(row, replace(k, store_request_s=0.0))
-        if cfg.sync != "diloco" or not row["measured"]["outer_sync_s_mean"]:
+        rounds = row.get("outer_rounds_s") or []
+        if cfg.sync != "diloco" or not row["measured"]["outer_sync_s_mean"] or cfg.outer_overlap:
             continue
+        later = statistics.fmean(rounds[1:]) if len(rounds) > 1 else row["measured"]["outer_sync_s_mean"]
         requests = k.outer_trips_before + k.outer_trips_after
-        store.append((row["measured"]["outer_sync_s_mean"] - store_round(cfg).seconds) / requests / slowdown(row))
-    return replace(k, store_request_s=round(max(0.0, statistics.median(store)), 4) if store else k.store_request_s)
+        store.append((later - store_round(cfg).seconds) / requests / slowdown(row))
+        if len(rounds) > 1:  # the first round's excess beyond the first batches' spread: the launch's stagger
+            firsts = [x.time_to_first_batch_s for x in predict(at(row, k)).regions]
+            spread = max(firsts) - min(firsts)
+            skews.append((rounds[0] - later - spread) / slowdown(row))
+    k = replace(k, store_request_s=round(max(0.0, statistics.median(store)), 4) if store else k.store_request_s)
+    return replace(k, startup_skew_s=round(max(0.0, statistics.median(skews)), 4) if skews else k.startup_skew_s)
 
 
 def sim_config_of(row: dict[str, Any], k: Any, args: argparse.Namespace) -> Any:

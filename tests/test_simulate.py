@@ -195,6 +195,36 @@ def test_loader_first_batch_wait_and_bytes_by_hand() -> None:
     assert slow.io_wait_s_per_step == pytest.approx(10_000 / (2e6 / 0.11) - 0.0005)
 
 
+def test_a_link_to_another_regions_bucket_is_shared_by_the_regions_workers() -> None:
+    # 10 Mbit/s (1.25 MB/s) to eu-west-1's bucket, a warm-flow ramp of nothing (huge mss): two ranks
+    # of two workers each are four flows of 0.3125 MB/s, not four of 1.25 MB/s
+    k = Constants(startup_s=0.0, request_s=0.0, trip_s=0.0, batch_s=0.0, mss=10**9)
+    regions = (RegionSpec(US, 2, "s3", data_region=EU), RegionSpec(EU, 1))
+    link = (LinkSpec(US, EU, 10, 10),)
+    cfg = SimConfig(regions=regions, links=link, shard_bytes=1_000_000, manifest_bytes=1000, num_workers=2, constants=k)
+    got = loader.region_loader(cfg, regions[0], step_s=0.01)
+    fetch = 0.01 + 0.01 + 1_000_000 / (1.25e6 / 4)  # the request out, the bytes back at a quarter of the link
+    assert got.fetch_s == pytest.approx(fetch)
+    # the region's ranks together get the link's rate, whatever its workers: 2 ranks x 2 workers x 1 MB per fetch
+    assert 2 * 2 * 1_000_000 / got.fetch_s < 1.25e6
+    alone = SimConfig(regions=(RegionSpec(US, 1, "s3", data_region=EU), regions[1]), links=cfg.links, num_workers=1, constants=k)
+    assert loader.region_loader(alone, alone.regions[0], 0.01).fetch_s == pytest.approx(0.01 + 0.01 + alone.shard_bytes / 1.25e6)
+
+
+def test_the_first_round_also_waits_for_the_regions_start_up_skew() -> None:
+    # 30 steps, H 10: three rounds of 2 s; the first also waits the skew (1.5 s), none hidden by overlap
+    cfg = three(sync="diloco", steps=30, outer_steps=10)
+    assert outer.mean_round_wait_s(2.0, cfg, 0.5, skew_s=1.5) == pytest.approx((3.5 + 2.0 + 2.0) / 3)
+    # behind 5 steps of overlap (2.5 s) the first round's 3.5 s leaves 1 s; the second hides; the last is waited in full
+    lapped = three(sync="diloco", steps=30, outer_steps=10, outer_overlap=5)
+    assert outer.mean_round_wait_s(2.0, lapped, 0.5, skew_s=1.5) == pytest.approx((1.0 + 0.0 + 2.0) / 3)
+    # the skew: the spread of the regions' first batches plus the launch's own stagger
+    assert outer.startup_skew_s([1.0, 1.75, 1.25], three(constants=Constants(startup_skew_s=0.5))) == pytest.approx(1.25)
+    base = predict(three(sync="diloco", steps=30, outer_steps=10, params=1000))
+    skewed = predict(three(sync="diloco", steps=30, outer_steps=10, params=1000, constants=Constants(startup_skew_s=0.6)))
+    assert skewed.outer_sync_s_mean - base.outer_sync_s_mean == pytest.approx(0.6 / 3, rel=1e-3)
+
+
 def test_egress_cost_from_the_default_table_and_given_prices() -> None:
     pairs = {(AP, US): 2e9, (US, EU): 1e9, ("xx-new-1", US): 1e9, (US, "us-east-2"): 1e9}
     usd = cost.egress_usd(pairs, ())
@@ -231,7 +261,9 @@ def test_diloco_in_region_sync_is_zero_only_without_a_peer_in_any_region() -> No
     two = three(sync="diloco", constants=k, tensor_params=(1_000_000,), regions=(RegionSpec(US, 2), RegionSpec(EU, 1), RegionSpec(AP, 1)))
     ex = grad.step_exchange(two)
     ring = 2 * 1 * 4_000_000 / 2 / 1e9 + 2 * 1 * 0.0  # 2(n-1)/n of the 4 MB bucket at 1,000 MB/s, no per-message cost
-    assert ex.seconds == pytest.approx(ring + 0.01) and ex.cross_bytes == 0
+    # us-east-1's two ranks wait ring + one bucket's hook; the two one-rank regions' ranks wait nothing:
+    # the mean over the job's four ranks, as report.json averages grad_sync_s_per_step
+    assert ex.seconds == pytest.approx((2 * (ring + 0.01) + 2 * 0.0) / 4) and ex.cross_bytes == 0
 
 
 def test_overhead_is_paid_per_micro_batch_and_step_time_per_step() -> None:

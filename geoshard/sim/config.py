@@ -10,7 +10,17 @@ from geoshard.errors import ConfigError
 
 TIERS = ("local", "s3", "alluxio")
 # The constants that are this host's own work (Python, copies, process start), scaled by host_slowdown.
-HOST_COSTS = ("bucket_s", "trip_s", "step_overhead_s", "startup_s", "request_s", "batch_s", "checkpoint_s", "store_request_s")
+HOST_COSTS = (
+    "bucket_s",
+    "trip_s",
+    "step_overhead_s",
+    "startup_s",
+    "request_s",
+    "batch_s",
+    "checkpoint_s",
+    "store_request_s",
+    "startup_skew_s",
+)
 SYNCS = ("flat", "hierarchical", "diloco")
 OUTER_TRANSPORTS = ("store", "p2p")
 # Bytes a value of the pseudo-gradient takes on the wire, per --outer-compression (trainer/diloco/codec.py:
@@ -43,6 +53,10 @@ class Constants:
     store_request_s: float = 0.0  # a store request's own cost beyond its round trip (TCPStore, signing, Python)
     outer_trips_before: int = 3  # store round trips before a round closes (roster, close, members)
     outer_trips_after: int = 3  # and after it (multi_get, latest, state)
+    # The regions' start-up skew beyond their first batches' spread: each region's processes are
+    # started one after another and import torch on a shared host, so the first DiLoCo round also
+    # waits for the last region to arrive (the first round's excess over the later ones).
+    startup_skew_s: float = 0.0
     # How much slower this host's own work runs than where the host costs were fitted per unit: a
     # machine whose cores are shared (load L on c cores: about L/c); 1 on dedicated nodes.
     host_slowdown: float = 1.0

@@ -83,11 +83,19 @@ def round_wait_s(round_s: float, overlap_steps: int, step_s: float) -> float:
     return max(0.0, round_s - overlap_steps * step_s)
 
 
-def mean_round_wait_s(round_s: float, cfg: SimConfig, step_s: float) -> float:
+def mean_round_wait_s(round_s: float, cfg: SimConfig, step_s: float, skew_s: float = 0.0) -> float:
     """The wait per round over the run. A round starting at step s hides behind at most the
     steps left after it: the trainer takes a round still in flight after the last step
     (trainer/diloco/rank.py, ``finish``), so with steps a multiple of H the last round is waited
-    in full even with ``--outer-overlap``."""
+    in full even with ``--outer-overlap``. The first round also waits for the regions' start-up
+    skew ``skew_s`` (the last region to start reaches it that much later than the first)."""
     starts = range(cfg.outer_steps, cfg.steps + 1, cfg.outer_steps)
-    waits = [round_wait_s(round_s, min(cfg.outer_overlap, cfg.steps - s), step_s) for s in starts]
+    hidden = [min(cfg.outer_overlap, cfg.steps - s) for s in starts]
+    waits = [round_wait_s(round_s + (skew_s if i == 0 else 0.0), h, step_s) for i, h in enumerate(hidden)]
     return sum(waits) / len(waits) if waits else 0.0
+
+
+def startup_skew_s(first_batches: list[float], cfg: SimConfig) -> float:
+    """How much later the last region reaches its first round than the first: its first batch's
+    lead (remote data, more ranks) plus ``startup_skew_s``, the launch's own stagger."""
+    return (max(first_batches) - min(first_batches) if first_batches else 0.0) + cfg.constants.startup_skew_s

@@ -120,7 +120,8 @@ def predict(cfg: SimConfig) -> Prediction:
     step = busy + wait
     rnd = outer.exchange_round(cfg) if cfg.sync == "diloco" else outer.OuterRound(0.0, 0.0, ())
     rounds = cfg.steps // cfg.outer_steps if cfg.sync == "diloco" and len(cfg.regions) > 1 else 0
-    round_wait = outer.mean_round_wait_s(rnd.seconds, cfg, step) if rounds else 0.0
+    skew = outer.startup_skew_s([x.time_to_first_batch_s for x in loaders], cfg)
+    round_wait = outer.mean_round_wait_s(rnd.seconds, cfg, step, skew) if rounds else 0.0
     first = max(x.time_to_first_batch_s for x in loaders)
     wall = first + cfg.steps * step + rounds * round_wait
     utilization = min(1.0, cfg.steps * compute / wall) if wall > 0 else 0.0
