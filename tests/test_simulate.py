@@ -211,6 +211,16 @@ def test_a_link_to_another_regions_bucket_is_shared_by_the_regions_workers() -> 
     assert loader.region_loader(alone, alone.regions[0], 0.01).fetch_s == pytest.approx(0.01 + 0.01 + alone.shard_bytes / 1.25e6)
 
 
+def test_a_fresh_diloco_job_sends_the_first_regions_parameters_once_in_fp32() -> None:
+    # round 0: us-east-1 (the store's host) publishes, eu-west-1's and ap-southeast-1's leaders read 4 bytes a parameter
+    cfg = three(sync="diloco", steps=30, outer_steps=10, params=1000)
+    assert outer.join_pair_bytes(cfg) == ((US, EU, 4000.0), (US, AP, 4000.0))
+    p = predict(cfg)
+    star = dict(((a, b), n) for a, b, n in outer.store_round(cfg).pair_bytes)
+    assert dict(((a, b), n) for a, b, n in p.pair_bytes)[(US, EU)] == pytest.approx(3 * star[(US, EU)] + 4000)
+    assert outer.join_pair_bytes(three(sync="flat", params=1000)) == ()
+
+
 def test_the_first_round_also_waits_for_the_regions_start_up_skew() -> None:
     # 30 steps, H 10: three rounds of 2 s; the first also waits the skew (1.5 s), none hidden by overlap
     cfg = three(sync="diloco", steps=30, outer_steps=10)
@@ -375,8 +385,8 @@ def test_cli_json_uses_report_names_and_the_plans_prices(tmp_path: Path) -> None
     p = 2 * (512**2 + 268 * 512 + 10)  # fp16 pseudo-gradient
     by_pair = {(e["from"], e["to"]): e for e in rep["egress"]}
     assert by_pair[(EU, US)]["bytes"] == 4 * p  # one per round
-    assert by_pair[(US, EU)]["bytes"] == 4 * 2 * p  # the two others' per round
-    assert by_pair[(US, EU)]["usd"] == pytest.approx(8 * p / 1e9 * 0.05, abs=1e-4)  # the plan's price
+    assert by_pair[(US, EU)]["bytes"] == 4 * 2 * p + 2 * p  # the two others' per round, and round 0's fp32 parameters
+    assert by_pair[(US, EU)]["usd"] == pytest.approx(10 * p / 1e9 * 0.05, abs=1e-4)  # the plan's price
     assert rep["egress_usd"] == pytest.approx(sum(e["usd"] for e in rep["egress"]), abs=1e-3)
 
 

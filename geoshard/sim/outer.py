@@ -74,6 +74,16 @@ def p2p_round(cfg: SimConfig) -> OuterRound:
     return OuterRound(seconds, m * carried, pairs, calibrated=False)
 
 
+def join_pair_bytes(cfg: SimConfig) -> tuple[tuple[str, str, float], ...]:
+    """A fresh job's round 0 (trainer/diloco/rank.py ``join``): the first region publishes its
+    parameters to the store beside it and every other region's leader reads them once, in fp32
+    (torch's serialized state: 4 bytes a parameter; its few hundred bytes of framing left out)."""
+    if cfg.sync != "diloco" or len(cfg.regions) < 2 or cfg.params <= 0:
+        return ()
+    host = cfg.regions[0].name
+    return tuple((host, r.name, 4.0 * cfg.params) for r in cfg.regions[1:])
+
+
 def exchange_round(cfg: SimConfig) -> OuterRound:
     return p2p_round(cfg) if cfg.outer_transport == "p2p" else store_round(cfg)
 

@@ -131,6 +131,8 @@ def predict(cfg: SimConfig) -> Prediction:
         pairs[(a, b)] = pairs.get((a, b), 0.0) + n * cfg.steps
     for a, b, n in rnd.pair_bytes:
         pairs[(a, b)] = pairs.get((a, b), 0.0) + n * rounds
+    for a, b, n in outer.join_pair_bytes(cfg):  # round 0: the first region's parameters, once
+        pairs[(a, b)] = pairs.get((a, b), 0.0) + n
     for r, x in zip(cfg.regions, loaders, strict=True):
         if x.egress_bytes:
             key = (r.data_region or r.name, r.name)
