@@ -65,8 +65,9 @@ CALIBRATION = (
     Spec("C3", "flat", hidden=1024, accum=2, fp16=True),
     Spec("C4", "diloco", hidden=768, outer_steps=8),
     Spec("C5", "hierarchical", remote=True, hidden=256),
-    # DiLoCo with a two-rank region: the only DDP without a WAN hop (bucket_s; a one-rank region runs no DDP)
-    Spec("C6", "diloco", ranks=TWO, hidden=768, outer_steps=6),
+    # DiLoCo with a two-rank region: the only DDP without a WAN hop (bucket_s; a one-rank region runs
+    # no DDP); a pseudo-gradient 1.6x C4's, so the store's per-byte and per-request costs separate
+    Spec("C6", "diloco", ranks=TWO, hidden=1024, outer_steps=6),
 )
 
 VALIDATION = (
