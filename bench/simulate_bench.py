@@ -319,35 +319,59 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
             rest = row["measured"]["grad_sync_s_per_step"] - grad.step_exchange(cfg).seconds
             alone.append(rest * cfg.world_size / peers / n / slowdown(row))
     k = replace(k, bucket_s=round(max(0.0, statistics.median(alone)), 5) if alone else k.bucket_s)
-    # gloo's per-message overhead: the sync's residual over its message count (2(n-1) per bucket).
-    trips = []
+    # gloo's per-message overhead: the sync's residual over its message count (2(n-1) per bucket),
+    # from the flat runs (gloo's threads alone), then hierarchical's extra per message (its hook on the training thread).
+    for sync, name in (("flat", "trip_s"), ("hierarchical", "hook_trip_s")):
+        trips = []
+        for row in rows:
+            cfg = at(row, replace(k, **{name: 0.0}))
+            if cfg.sync != sync or row["measured"]["grad_sync_s_per_step"] <= 0:
+                continue
+            n = cfg.world_size if cfg.sync == "flat" else len(cfg.regions)
+            buckets = len(grad.buckets(tuple(4 * t for t in cfg.tensor_params)))
+            count = 2 * (n - 1) * (-(-buckets // k.gloo_threads) if cfg.sync == "flat" else buckets)
+            exchange = grad.mean_exchange(cfg, idle_s=compute_s(cfg)).seconds
+            trips.append((row["measured"]["grad_sync_s_per_step"] - exchange) / count / slowdown(row))
+        k = replace(k, **{name: round(max(0.0, statistics.median(trips)), 5) if trips else getattr(k, name)})
+    # The store's costs: a round's residual over its requests and its bytes (least squares over
+    # the rounds after the first: the first also waits for the regions' start-up skew; rows
+    # without the rounds: their mean). Neither is a host cost (config.HOST_COSTS): not scaled.
+    req, nbytes, rest, firsts = [], [], [], []
     for row in rows:
-        cfg = at(row, replace(k, trip_s=0.0))
-        if cfg.sync == "diloco" or row["measured"]["grad_sync_s_per_step"] <= 0:
-            continue
-        n = cfg.world_size if cfg.sync == "flat" else len(cfg.regions)
-        buckets = len(grad.buckets(tuple(4 * t for t in cfg.tensor_params)))
-        count = 2 * (n - 1) * (-(-buckets // k.gloo_threads) if cfg.sync == "flat" else buckets)
-        exchange = grad.mean_exchange(cfg, idle_s=compute_s(cfg)).seconds
-        trips.append((row["measured"]["grad_sync_s_per_step"] - exchange) / count / slowdown(row))
-    k = replace(k, trip_s=round(max(0.0, statistics.median(trips)), 5) if trips else k.trip_s)
-    # The store's per-request cost: a round's residual over its requests, from the rounds after
-    # the first (the first also waits for the regions' start-up skew; rows without the rounds: their mean).
-    store, skews = [], []
-    for row in rows:
-        cfg = at(row, replace(k, store_request_s=0.0))
+        cfg = at(row, replace(k, store_request_s=0.0, store_byte_s=0.0))
         rounds = row.get("outer_rounds_s") or []
         if cfg.sync != "diloco" or not row["measured"]["outer_sync_s_mean"] or cfg.outer_overlap:
             continue
         later = statistics.fmean(rounds[1:]) if len(rounds) > 1 else row["measured"]["outer_sync_s_mean"]
-        requests = k.outer_trips_before + k.outer_trips_after
-        store.append((later - store_round(cfg).seconds) / requests / slowdown(row))
-        if len(rounds) > 1:  # the first round's excess beyond the first batches' spread: the launch's stagger
-            firsts = [x.time_to_first_batch_s for x in predict(at(row, k)).regions]
-            spread = max(firsts) - min(firsts)
-            skews.append((rounds[0] - later - spread) / slowdown(row))
-    k = replace(k, store_request_s=round(max(0.0, statistics.median(store)), 4) if store else k.store_request_s)
+        base = store_round(cfg)
+        req.append(k.outer_trips_before + k.outer_trips_after)
+        nbytes.append(base.bytes)
+        rest.append(later - base.seconds)
+        if len(rounds) > 1:
+            firsts.append((row, rounds[0] - later))
+    per_req, per_byte = _store_costs(req, nbytes, rest)
+    k = replace(k, store_request_s=round(per_req, 4), store_byte_s=float(f"{per_byte:.4g}"))
+    # The launch's stagger: the first round's excess over the later ones, less the spread of the
+    # regions' predicted first batches (which the model adds on its own).
+    skews = []
+    for row, excess in firsts:
+        regions = predict(at(row, k)).regions
+        skews.append(excess - (max(x.time_to_first_batch_s for x in regions) - min(x.time_to_first_batch_s for x in regions)))
     return replace(k, startup_skew_s=round(max(0.0, statistics.median(skews)), 4) if skews else k.startup_skew_s)
+
+
+def _store_costs(requests: list[int], nbytes: list[float], rest: list[float]) -> tuple[float, float]:
+    """rest = a·requests + b·bytes by least squares (a, b >= 0); one size alone: b = 0, a its median."""
+    if len(set(nbytes)) < 2:
+        return (max(0.0, statistics.median(r / n for r, n in zip(rest, requests, strict=True))) if rest else 0.0), 0.0
+    xs = [b / n for b, n in zip(nbytes, requests, strict=True)]  # per request: rest/requests = a + b·(bytes/requests)
+    ys = [r / n for r, n in zip(rest, requests, strict=True)]
+    slope, intercept = _line(xs, ys)
+    if slope < 0:
+        return max(0.0, statistics.fmean(ys)), 0.0
+    if intercept < 0:
+        return 0.0, sum(y * x for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    return intercept, slope
 
 
 def sim_config_of(row: dict[str, Any], k: Any, args: argparse.Namespace) -> Any:

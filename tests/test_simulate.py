@@ -4,6 +4,7 @@ runs under the WAN rehearsal."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import statistics
@@ -120,6 +121,20 @@ def test_store_round_by_hand() -> None:
     assert rnd.seconds == pytest.approx(before + after)
     assert rnd.bytes == 3 * 2000 + 3 * 2 * 2000
     assert sorted(rnd.pair_bytes) == sorted([(EU, US, 2000), (US, EU, 4000), (AP, US, 2000), (US, AP, 4000)])
+
+
+def test_the_store_rounds_own_cost_per_byte_and_hierarchicals_per_message() -> None:
+    cfg = three(sync="diloco", params=1 << 20)
+    base = outer.store_round(cfg)
+    per_byte = outer.store_round(dataclasses.replace(cfg, constants=dataclasses.replace(K, store_byte_s=1e-8)))
+    # every byte of the round (3 published + 6 read pseudo-gradients of 2 MiB) through the store's one process
+    assert per_byte.seconds - base.seconds == pytest.approx(9 * (2 << 20) * 1e-8) and per_byte.bytes == base.bytes == 9 * (2 << 20)
+    # hierarchical: 0.05 s more per leaders' ring message (2(3-1) per bucket); flat unchanged
+    hook = dataclasses.replace(K, hook_trip_s=0.05)
+    for sync, extra in (("hierarchical", 4 * 0.05), ("flat", 0.0)):
+        plain = grad.step_exchange(three(sync=sync, tensor_params=(1000,)))
+        more = grad.step_exchange(three(sync=sync, tensor_params=(1000,), constants=hook))
+        assert more.seconds - plain.seconds == pytest.approx(extra)
 
 
 def test_p2p_round_is_the_ring_bound_and_says_it_is_not_calibrated() -> None:
@@ -290,9 +305,12 @@ def test_simconfig_refuses_a_missing_link_and_a_bad_overlap() -> None:
 
 
 def test_host_slowdown_scales_the_hosts_costs_only() -> None:
-    k = Constants(trip_s=0.01, startup_s=1.0, store_request_s=0.5, mss=1000, ceiling_mb_s=800.0, host_slowdown=3.0).on_host()
-    assert (k.trip_s, k.startup_s, k.store_request_s) == pytest.approx((0.03, 3.0, 1.5))
+    given = Constants(trip_s=0.01, hook_trip_s=0.02, startup_s=1.0, store_request_s=0.5, store_byte_s=1e-6, startup_skew_s=2.0)
+    k = dataclasses.replace(given, mss=1000, ceiling_mb_s=800.0, host_slowdown=3.0).on_host()
+    assert (k.trip_s, k.hook_trip_s, k.startup_s) == pytest.approx((0.03, 0.06, 3.0))
     assert (k.mss, k.ceiling_mb_s, k.host_slowdown) == (1000, 800.0, 1.0)  # the network's figures stay
+    # the store's and the launch's costs are not the host's (config.HOST_COSTS): C4 took the same rounds at loads 7.6 and 14.4
+    assert (k.store_request_s, k.store_byte_s, k.startup_skew_s) == (0.5, 1e-6, 2.0)
     slow = predict(three(sync="flat", constants=Constants(startup_s=1.0, host_slowdown=4.0)))
     assert slow.time_to_first_batch_s - predict(three(sync="flat", constants=Constants(startup_s=1.0))).time_to_first_batch_s == (
         pytest.approx(3.0 + 3 * (2 * Constants().request_s), rel=1e-6)

@@ -10,16 +10,19 @@ from geoshard.errors import ConfigError
 
 TIERS = ("local", "s3", "alluxio")
 # The constants that are this host's own work (Python, copies, process start), scaled by host_slowdown.
+# The store's costs and the start-up skew are not among them: C4's rounds took the same time at a
+# load of 14.4 and of 7.6 (2026-12-04 13:23 and 15:5x: 7.3 and 7.0 s a round; its later rounds
+# 5.4-6.0 s both times): the store's one process and the regions' launch are paced by something
+# other than this host's run queue.
 HOST_COSTS = (
     "bucket_s",
     "trip_s",
+    "hook_trip_s",
     "step_overhead_s",
     "startup_s",
     "request_s",
     "batch_s",
     "checkpoint_s",
-    "store_request_s",
-    "startup_skew_s",
 )
 SYNCS = ("flat", "hierarchical", "diloco")
 OUTER_TRANSPORTS = ("store", "p2p")
@@ -42,6 +45,10 @@ class Constants:
     rto_min_s: float = 0.2  # Linux's minimum retransmission timeout: an idle flow past rtt + this restarts slow start
     bucket_s: float = 0.0  # the DDP comm hook's own time per bucket, network aside
     trip_s: float = 0.0  # per message overhead of a collective step or a store request (kernel, gloo, Python)
+    # More per ring message under hierarchical's hook, which runs reduce, ring and broadcast
+    # synchronously on the training thread (trainer/comm.py): each step waits for that thread to
+    # be scheduled again; flat's asynchronous hook leaves the ring to gloo's own threads.
+    hook_trip_s: float = 0.0
     local_mb_s: float = 2000.0  # a hop inside one region (loopback / the region's network)
     cpu_gflops: float = 10.0  # the built-in model's forward+backward rate per rank (6 x params x samples flops)
     step_overhead_s: float = 0.002  # per optimizer step outside compute: the loop's own bookkeeping
@@ -51,6 +58,10 @@ class Constants:
     batch_s: float = 0.0005  # a batch's hand-off from a worker to the training process
     checkpoint_s: float = 0.05  # fixed cost of one checkpoint, besides its bytes at local_mb_s
     store_request_s: float = 0.0  # a store request's own cost beyond its round trip (TCPStore, signing, Python)
+    # A byte through the outer store's own work (one TCPStore process serving every leader's
+    # publish and multi_get, the signature, the checks): the rounds of C4 and C6 grew with the
+    # pseudo-gradient far beyond what the links' rates give.
+    store_byte_s: float = 0.0
     outer_trips_before: int = 3  # store round trips before a round closes (roster, close, members)
     outer_trips_after: int = 3  # and after it (multi_get, latest, state)
     # The regions' start-up skew beyond their first batches' spread: each region's processes are

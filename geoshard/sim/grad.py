@@ -155,7 +155,8 @@ def _flat(cfg: SimConfig, sizes: list[int], wire: float, idle_s: float) -> GradS
 def _hierarchical(cfg: SimConfig, sizes: list[int], wire: float, idle_s: float) -> GradStep:
     n = len(cfg.regions)
     hops, crossing = _ring_hops(cfg, [(r.name, 1) for r in cfg.regions])
-    cross = ring_allreduce_s([b * wire for b in sizes], n, hops, cfg.constants, idle_s=idle_s)
+    k = cfg.constants
+    cross = ring_allreduce_s([b * wire for b in sizes], n, hops, dataclasses.replace(k, trip_s=k.trip_s + k.hook_trip_s), idle_s=idle_s)
     seconds = cross + _in_region(cfg, sizes).seconds
     per_hop = sum(2 * (n - 1) * b * wire / n for b in sizes)
     return GradStep(seconds, per_hop * len(crossing), tuple((a, b, per_hop) for a, b in crossing))

@@ -6,8 +6,9 @@ in fp32) to the store (P over its link to the store), waits for the round to clo
 ``outer_trips_before`` round trips: roster, close, members), then reads the other m-1 members'
 in one multi_get ((m-1)·P back over the same link) and the latest state (``outer_trips_after``
 round trips in all). The round closes when the slowest publish has landed, so
-round = max_r(publish_r + trips_before·rtt_r) + max_r(trips_after·rtt_r + read_r).
-Bytes through the star: m·P published + m(m-1)·P read. P is params x the compression's bytes a
+round = max_r(publish_r + trips_before·rtt_r) + max_r(trips_after·rtt_r + read_r) + B·store_byte_s.
+Bytes through the star: B = m·P published + m(m-1)·P read, all of them through the store's one
+process (``store_byte_s``: its own work per byte, fitted). P is params x the compression's bytes a
 value (``OUTER_BYTES``: 2 for fp16/bf16, 4 for none, about 1 for int8/fp8).
 
 ``p2p_round`` is the ring transport another engineer is building (``--outer-transport p2p``):
@@ -56,7 +57,8 @@ def store_round(cfg: SimConfig) -> OuterRound:
     for r in links:
         if r != host:
             pairs += [(r, host, p), (host, r, (m - 1) * p)]
-    return OuterRound(before + after, m * p + m * (m - 1) * p, tuple(pairs))
+    total = m * p + m * (m - 1) * p  # every byte of the round passes the store's one process
+    return OuterRound(before + after + total * k.store_byte_s, total, tuple(pairs))
 
 
 def p2p_round(cfg: SimConfig) -> OuterRound:
