@@ -248,6 +248,9 @@ def test_the_first_round_also_waits_for_the_regions_start_up_skew() -> None:
     base = predict(three(sync="diloco", steps=30, outer_steps=10, params=1000))
     skewed = predict(three(sync="diloco", steps=30, outer_steps=10, params=1000, constants=Constants(startup_skew_s=0.6)))
     assert skewed.outer_sync_s_mean - base.outer_sync_s_mean == pytest.approx(0.6 / 3, rel=1e-3)
+    # report.json's IO wait share after the first batch is over the wall after it, the rounds' waits included
+    assert skewed.step_s > base.step_s and skewed.io_wait_share_after_first_batch < base.io_wait_share_after_first_batch
+    assert skewed.io_wait_share_after_first_batch * skewed.step_s == pytest.approx(base.io_wait_share_after_first_batch * base.step_s)
 
 
 def test_egress_cost_from_the_default_table_and_given_prices() -> None:
