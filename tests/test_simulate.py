@@ -483,18 +483,20 @@ def _root_reason() -> str | None:
 
 
 # Held to 20% per run: the gradient exchange's time and bytes, the step and the bytes the forwarder
-# moved. Utilization (the compute per step is mostly CPU wait on this shared machine) and the first
-# batch are printed, not held; DiLoCo is not among the three: its step, outer round and in-region
-# sync missed 20% in runs of 2026-12-04 (docs/benchmarks.md, simulate_bench).
-HELD = ("cross_region_grad_bytes_per_step", "grad_sync_s_per_step")
-HELD_SYNCHRONOUS = ("step_s", "wan_bytes")
+# moved; for DiLoCo the bytes (its rounds and round 0's parameters). Utilization and the first batch
+# (mostly CPU wait on this shared machine: two runs of one configuration differ by a median 17% and
+# 27%, docs/benchmarks.md, simulate_bench) are printed, not held, as are DiLoCo's step and outer
+# round (the first round's start-up skew moves by seconds between runs).
+HELD = ("cross_region_grad_bytes_per_step", "grad_sync_s_per_step", "step_s", "wan_bytes")
+HELD_DILOCO = ("wan_bytes",)
 
 
 @pytest.mark.skipif(_root_reason() is not None, reason=_root_reason() or "")
 def test_predictions_within_20_percent_of_runs_under_the_rehearsal(tmp_path: Path) -> None:
-    """Three configurations (flat; hierarchical with 2 ranks in a region and fp16; the same in fp32
-    with every region reading another region's bucket) trained under bench/wan-matrix.toml and predicted with the calibrated constants
-    (geoshard/sim/calibrated.py) and the forwarder ceiling this rehearsal measured."""
+    """Four configurations (flat; hierarchical with 2 ranks in a region and fp16; the same in fp32
+    with every region reading another region's bucket; DiLoCo, H 5) trained under
+    bench/wan-matrix.toml and predicted with the calibrated constants (geoshard/sim/calibrated.py)
+    and the forwarder ceiling this rehearsal measured."""
     import argparse
     import dataclasses
     import os
@@ -523,6 +525,7 @@ def test_predictions_within_20_percent_of_runs_under_the_rehearsal(tmp_path: Pat
         sb.Spec("T1", "flat"),
         sb.Spec("T2", "hierarchical", ranks=sb.TWO, fp16=True),
         sb.Spec("T3", "hierarchical", ranks=sb.TWO, remote=True),  # each region reads another region's bucket
+        sb.Spec("T4", "diloco", outer_steps=5),
     ]
     rows = []
     with SeaweedS3(tmp_path / "weed") as server:
@@ -543,7 +546,7 @@ def test_predictions_within_20_percent_of_runs_under_the_rehearsal(tmp_path: Pat
     misses = []
     for row in rows:
         row["predicted"] = sb.predict_one(row, constants, args)
-        held = HELD + (HELD_SYNCHRONOUS if row["spec"]["sync"] != "diloco" else ())
+        held = HELD_DILOCO if row["spec"]["sync"] == "diloco" else HELD
         for metric, m in row["measured"].items():
             p = row["predicted"].get(metric)
             if not m or p is None:  # 0 or None: the run has no such figure (DiLoCo's DDP across regions)
