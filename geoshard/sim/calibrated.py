@@ -34,7 +34,7 @@ REHEARSAL = Constants(
     batch_s=0.00021,
     store_request_s=0.3805,
     store_byte_s=0.0,
-    # The launch's stagger before the first DiLoCo round (C4 3.7 s, C6 10.4 s: their median); a
+    # The launch's stagger before the first DiLoCo round (C4 3.7 s, C6 10.3 s: their median); a
     # projection on a real WAN too (dedicated nodes would start faster: not measured).
     startup_skew_s=7.0283,
 )
