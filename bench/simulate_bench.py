@@ -7,9 +7,11 @@ region's address (``Rehearsal.expose``), every packet between regions behind ``-
 trained with ``launch_regions`` inside the namespaces (what ``geoshard train --regions --wan``
 does) and predicted with ``geoshard simulate --json --rehearsal`` from the same options.
 
-Two sets, never mixed: ``CALIBRATION`` fits the model's few constants (the built-in model's CPU
-rate and per-step overhead, the loader's start-up, the per-message overhead of gloo's ring steps
-and of the store's requests); ``VALIDATION`` (20 configurations: flat / hierarchical / DiLoCo,
+Two sets, never mixed: ``CALIBRATION`` (C1-C6) fits the model's few constants (the built-in
+model's CPU rate and per-step overhead, the loader's start-up, the comm hook's cost per bucket,
+the per-message overhead of gloo's ring steps and hierarchical's extra, the store's per-request
+and per-byte cost, the first DiLoCo round's start-up skew); each run samples the host's load
+through itself for the host slowdown; ``VALIDATION`` (20 configurations: flat / hierarchical / DiLoCo,
 H, overlap, accumulation, fp16, local vs remote data, 1-3 ranks per region) is predicted with
 those constants and the forwarder ceiling this rehearsal measured at its start, and compared per
 metric: median absolute relative error and the worst configuration.
