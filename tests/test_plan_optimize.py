@@ -273,6 +273,11 @@ def test_inputs_refuse_a_source_outside_the_job() -> None:
 Rehearsed = tuple[dict[str, Any], dict[str, Any]]
 REH_STEPS, REH_REGIONS = 150, f"{US}:1,{EU}:1"
 REH_MODEL = ("--batch-size", 16, "--num-workers", 1, "--hidden", 256, "--step-time", "100ms")
+# The rehearsal's regions start ~7 s apart (REHEARSAL's startup_skew_s, every region launched on one
+# host), which DiLoCo's first round waits: over a run of 150 steps of 100 ms no candidate reaches the
+# default 90% (the best, DiLoCo H=100 overlapped, is predicted at ~82%). A 70% target keeps a run
+# short enough for a test and leaves the proposal 1.5x inside it by idle share.
+REH_TARGET = 0.7
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +296,7 @@ def rehearsed(tmp_path_factory: pytest.TempPathFactory) -> Rehearsed:
     matrix = Path(__file__).resolve().parents[1] / "bench" / "wan-matrix.toml"
     done = run(
         "--regions", REH_REGIONS, "--wan", matrix, "--plan", given, "--samples", 3000, "--sample-bytes", 300, "--rehearsal",
-        "--steps", REH_STEPS, *REH_MODEL, "--out", tmp / "plan.toml", "--json",
+        "--steps", REH_STEPS, *REH_MODEL, "--utilization", REH_TARGET, "--out", tmp / "plan.toml", "--json",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     proposal = json.loads(done.stdout)
@@ -328,6 +333,7 @@ def test_a_proposal_run_under_the_rehearsal_lands_within_20_percent_on_utilizati
     proposal, report = rehearsed
     assert report["complete"] and report["sync"] == proposal["sync"]["train_args"][1]
     predicted, measured = _errors(proposal, report)["utilization"]
+    assert (1 - REH_TARGET) / (1 - predicted) >= MARGIN, f"the proposal is predicted at {predicted:.1%}: re-tune REH_TARGET"
     assert abs(measured - predicted) <= 0.2 * predicted, (predicted, measured)
     if proposal["predicted"]["outer"] is not None:
         assert report["outer"]["round_count"] == proposal["predicted"]["outer"]["round_count"]
@@ -336,9 +342,9 @@ def test_a_proposal_run_under_the_rehearsal_lands_within_20_percent_on_utilizati
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the WAN rehearsal needs root (CAP_NET_ADMIN)")
 @pytest.mark.xfail(
-    reason="the sim's calibration is not there yet on this machine (docs/benchmarks.md, simulate_bench: 11 of 20 "
-    "validation runs, 2026-12-04): in the 13:xx run it predicted a wait of 0.21 s per overlapped DiLoCo round against "
-    "0.68 s measured (the regions' start-up skew, not modelled) and no in-region sync against 3.6 ms a step",
+    reason="the sim's calibration is not there yet on this machine: in the 2026-12-04 16:39 run (load 2-4) it predicted "
+    "a wait of 3.56 s for the one overlapped DiLoCo round (REHEARSAL's fitted 7 s start-up skew, measured at load 8-14) "
+    "against 0.08 s measured, and a first batch of 0.36 s against 0.11 s",
     strict=False,
 )
 def test_the_other_reported_fields_land_within_20_percent(rehearsed: Rehearsed) -> None:
