@@ -101,10 +101,16 @@ def mean_round_wait_s(round_s: float, cfg: SimConfig, step_s: float, skew_s: flo
     (trainer/diloco/rank.py, ``finish``), so with steps a multiple of H the last round is waited
     in full even with ``--outer-overlap``. The first round also waits for the regions' start-up
     skew ``skew_s`` (the last region to start reaches it that much later than the first)."""
-    starts = range(cfg.outer_steps, cfg.steps + 1, cfg.outer_steps)
-    hidden = [min(cfg.outer_overlap, cfg.steps - s) for s in starts]
-    waits = [round_wait_s(round_s + (skew_s if i == 0 else 0.0), h, step_s) for i, h in enumerate(hidden)]
-    return sum(waits) / len(waits) if waits else 0.0
+    h, k = cfg.outer_steps, cfg.outer_overlap
+    n = cfg.steps // h if h > 0 else 0  # rounds start at steps h, 2h, ... <= steps
+    if n == 0:
+        return 0.0
+    # O(1) in the rounds (a search predicts runs of millions of steps): every round hides behind k
+    # steps but the first (the skew) and those starting fewer than k steps before the end
+    tail = (cfg.steps - k) // h if cfg.steps >= k else 0  # the first round starting fewer than k steps before the end
+    special = sorted({0, *range(tail, n)})
+    waits = [round_wait_s(round_s + (skew_s if i == 0 else 0.0), min(k, cfg.steps - (i + 1) * h), step_s) for i in special]
+    return (sum(waits) + (n - len(special)) * round_wait_s(round_s, k, step_s)) / n
 
 
 def startup_skew_s(first_batches: list[float], cfg: SimConfig) -> float:
