@@ -7,9 +7,11 @@ region's address (``Rehearsal.expose``), every packet between regions behind ``-
 trained with ``launch_regions`` inside the namespaces (what ``geoshard train --regions --wan``
 does) and predicted with ``geoshard simulate --json --rehearsal`` from the same options.
 
-Two sets, never mixed: ``CALIBRATION`` fits the model's few constants (the built-in model's CPU
-rate and per-step overhead, the loader's start-up, the per-message overhead of gloo's ring steps
-and of the store's requests); ``VALIDATION`` (20 configurations: flat / hierarchical / DiLoCo,
+Two sets, never mixed: ``CALIBRATION`` (C1-C6) fits the model's few constants (the built-in
+model's CPU rate and per-step overhead, the loader's start-up, the comm hook's cost per bucket,
+the per-message overhead of gloo's ring steps and hierarchical's extra, the store's per-request
+and per-byte cost, the first DiLoCo round's start-up skew); each run samples the host's load
+through itself for the host slowdown; ``VALIDATION`` (20 configurations: flat / hierarchical / DiLoCo,
 H, overlap, accumulation, fp16, local vs remote data, 1-3 ranks per region) is predicted with
 those constants and the forwarder ceiling this rehearsal measured at its start, and compared per
 metric: median absolute relative error and the worst configuration.
@@ -57,6 +59,8 @@ class Spec:
     outer_steps: int = 10
     overlap: int = 0
     outer_compression: str = "fp16"
+    # the runs calibrated (12-04) the store transport; p2p became geoshard train's default after them
+    outer_transport: str = "store"
 
 
 CALIBRATION = (
@@ -65,6 +69,9 @@ CALIBRATION = (
     Spec("C3", "flat", hidden=1024, accum=2, fp16=True),
     Spec("C4", "diloco", hidden=768, outer_steps=8),
     Spec("C5", "hierarchical", remote=True, hidden=256),
+    # DiLoCo with a two-rank region: the only DDP without a WAN hop (bucket_s; a one-rank region runs
+    # no DDP); a pseudo-gradient 1.6x C4's, so the store's per-byte and per-request costs separate
+    Spec("C6", "diloco", ranks=TWO, hidden=1024, outer_steps=6),
 )
 
 VALIDATION = (
@@ -129,7 +136,7 @@ def train_argv(spec: Spec, plan: Path, args: argparse.Namespace) -> list[str]:
         argv += ["--grad-compression", "fp16"]
     if spec.sync == "diloco":
         argv += ["--outer-steps", str(spec.outer_steps), "--outer-overlap", str(spec.overlap)]
-        argv += ["--outer-compression", spec.outer_compression, "--outer-timeout", "300"]
+        argv += ["--outer-compression", spec.outer_compression, "--outer-timeout", "300", "--outer-transport", spec.outer_transport]
     return argv
 
 
@@ -186,7 +193,8 @@ def run_one(spec: Spec, wan: Any, net: Any, endpoints: dict[str, str], env: dict
     )
     before = wan.counters()
     t0 = time.monotonic()
-    code = launch_regions(cfg, parse_regions(spec.ranks), env=env, net=net)
+    with LoadSampler() as sampled:
+        code = launch_regions(cfg, parse_regions(spec.ranks), env=env, net=net)
     seconds = time.monotonic() - t0
     if code != 0:
         raise RuntimeError(f"run {spec.name} failed ({code}); logs in {out}/logs")
@@ -199,7 +207,45 @@ def run_one(spec: Spec, wan: Any, net: Any, endpoints: dict[str, str], env: dict
     # regions' start-up skew, which a model of it would be fitted from.
     rounds = [r["sync_s"] for r in (rep.get("outer") or {}).get("rounds", [])]
     row = {"spec": spec.__dict__, "seconds": round(seconds, 1), "measured": measured, "pairs": crossed, "plan": str(plan), "load": load}
+    row["load_during"] = sampled.summary()
     return {**row, "outer_rounds_s": rounds}
+
+
+class LoadSampler:
+    """The host's load sampled through a run (every second, on a thread): the 1-minute load
+    average and the kernel's count of runnable threads (/proc/stat ``procs_running``, an
+    instantaneous run queue that the 1-minute average smooths over a minute)."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        import threading
+
+        self.every_s, self.loads, self.running = every_s, [], []  # type: ignore[var-annotated]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.loads.append(os.getloadavg()[0])
+            try:
+                stat = Path("/proc/stat").read_text().splitlines()
+                self.running.append(next(int(x.split()[1]) for x in stat if x.startswith("procs_running")))
+            except (OSError, StopIteration, ValueError):  # not Linux: the load average alone
+                pass
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def summary(self) -> dict[str, Any]:
+        def mean(xs: list[float]) -> float | None:
+            return round(statistics.fmean(xs), 2) if xs else None
+
+        return {"samples": len(self.loads), "load_mean": mean(self.loads), "running_mean": mean(self.running),
+                "load_max": round(max(self.loads), 2) if self.loads else None}  # fmt: skip
 
 
 def predict_one(row: dict[str, Any], constants: Path, args: argparse.Namespace) -> dict[str, float | None]:
@@ -220,8 +266,11 @@ def predict_one(row: dict[str, Any], constants: Path, args: argparse.Namespace) 
 
 
 def slowdown(row: dict[str, Any]) -> float:
-    """The host's slowdown during a run: its 1-minute load over this machine's 2 cores, at least 1."""
-    return max(1.0, row["load"] / 2)
+    """The host's slowdown during a run: its 1-minute load over this machine's 2 cores, at least 1.
+    The load is the mean of the samples taken through the run (``LoadSampler``); rows from before
+    the sampler have only the load at the run's end."""
+    during = (row.get("load_during") or {}).get("load_mean")
+    return max(1.0, (during if during is not None else row["load"]) / 2)
 
 
 def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
@@ -262,35 +311,72 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
     m = [r["measured"] for r in rows]
     waits = [x["io_wait_share_after_first_batch"] * x["step_s"] / r["spec"]["accum"] / slowdown(r) for x, r in zip(m, rows, strict=True)]
     k = replace(k, batch_s=round(statistics.median(waits), 5))
-    # The comm hook's own time per bucket: DiLoCo's sync with one rank per region has no network.
+    # The comm hook's own time per bucket: DiLoCo's sync in a two-rank region crosses no WAN (a
+    # one-rank region runs no DDP, trainer/comm.py for_sync): the residual over the ring's bytes at
+    # the region's own rate, per bucket and per rank share that runs it (report.json's mean is over all ranks).
     alone = []
     for row in rows:
-        cfg = at(row, k)
-        if cfg.sync == "diloco" and all(r.ranks == 1 for r in cfg.regions) and cfg.params:
+        cfg = at(row, replace(k, bucket_s=0.0))
+        peers = sum(r.ranks for r in cfg.regions if r.ranks > 1)
+        if cfg.sync == "diloco" and peers and cfg.params:
             n = len(grad.buckets(tuple(4 * t for t in cfg.tensor_params)))
-            alone.append(row["measured"]["grad_sync_s_per_step"] / n / slowdown(row))
-    k = replace(k, bucket_s=round(statistics.median(alone), 5) if alone else k.bucket_s)
-    # gloo's per-message overhead: the sync's residual over its message count (2(n-1) per bucket).
-    trips = []
+            rest = row["measured"]["grad_sync_s_per_step"] - grad.step_exchange(cfg).seconds
+            alone.append(rest * cfg.world_size / peers / n / slowdown(row))
+    k = replace(k, bucket_s=round(max(0.0, statistics.median(alone)), 5) if alone else k.bucket_s)
+    # gloo's per-message overhead: the sync's residual over its message count (2(n-1) per bucket),
+    # from the flat runs (gloo's threads alone), then hierarchical's extra per message (its hook on the training thread).
+    for sync, name in (("flat", "trip_s"), ("hierarchical", "hook_trip_s")):
+        trips = []
+        for row in rows:
+            cfg = at(row, replace(k, **{name: 0.0}))
+            if cfg.sync != sync or row["measured"]["grad_sync_s_per_step"] <= 0:
+                continue
+            n = cfg.world_size if cfg.sync == "flat" else len(cfg.regions)
+            buckets = len(grad.buckets(tuple(4 * t for t in cfg.tensor_params)))
+            count = 2 * (n - 1) * (-(-buckets // k.gloo_threads) if cfg.sync == "flat" else buckets)
+            exchange = grad.mean_exchange(cfg, idle_s=compute_s(cfg)).seconds
+            trips.append((row["measured"]["grad_sync_s_per_step"] - exchange) / count / slowdown(row))
+        k = replace(k, **{name: round(max(0.0, statistics.median(trips)), 5) if trips else getattr(k, name)})
+    # The store's costs: a round's residual over its requests and its bytes (least squares over
+    # the median of the rounds after the first: the first also waits for the regions' start-up skew; rows
+    # without the rounds: their mean). Neither is a host cost (config.HOST_COSTS): not scaled.
+    req, nbytes, rest, firsts = [], [], [], []
     for row in rows:
-        cfg = at(row, replace(k, trip_s=0.0))
-        if cfg.sync == "diloco" or row["measured"]["grad_sync_s_per_step"] <= 0:
+        cfg = at(row, replace(k, store_request_s=0.0, store_byte_s=0.0))
+        rounds = row.get("outer_rounds_s") or []
+        if cfg.sync != "diloco" or not row["measured"]["outer_sync_s_mean"] or cfg.outer_overlap:
             continue
-        n = cfg.world_size if cfg.sync == "flat" else len(cfg.regions)
-        buckets = len(grad.buckets(tuple(4 * t for t in cfg.tensor_params)))
-        count = 2 * (n - 1) * (-(-buckets // k.gloo_threads) if cfg.sync == "flat" else buckets)
-        exchange = grad.mean_exchange(cfg, idle_s=compute_s(cfg)).seconds
-        trips.append((row["measured"]["grad_sync_s_per_step"] - exchange) / count / slowdown(row))
-    k = replace(k, trip_s=round(max(0.0, statistics.median(trips)), 5) if trips else k.trip_s)
-    # The store's per-request cost: a round's residual over its requests.
-    store = []
-    for row in rows:
-        cfg = at(row, replace(k, store_request_s=0.0))
-        if cfg.sync != "diloco" or not row["measured"]["outer_sync_s_mean"]:
-            continue
-        requests = k.outer_trips_before + k.outer_trips_after
-        store.append((row["measured"]["outer_sync_s_mean"] - store_round(cfg).seconds) / requests / slowdown(row))
-    return replace(k, store_request_s=round(max(0.0, statistics.median(store)), 4) if store else k.store_request_s)
+        # the median: C6's second round (11.1 s against 3-4 s after it) also waited for a late start
+        later = statistics.median(rounds[1:]) if len(rounds) > 1 else row["measured"]["outer_sync_s_mean"]
+        base = store_round(cfg)
+        req.append(k.outer_trips_before + k.outer_trips_after)
+        nbytes.append(base.bytes)
+        rest.append(later - base.seconds)
+        if len(rounds) > 1:
+            firsts.append((row, rounds[0] - later))
+    per_req, per_byte = _store_costs(req, nbytes, rest)
+    k = replace(k, store_request_s=round(per_req, 4), store_byte_s=float(f"{per_byte:.4g}"))
+    # The launch's stagger: the first round's excess over the later ones, less the spread of the
+    # regions' predicted first batches (which the model adds on its own).
+    skews = []
+    for row, excess in firsts:
+        regions = predict(at(row, k)).regions
+        skews.append(excess - (max(x.time_to_first_batch_s for x in regions) - min(x.time_to_first_batch_s for x in regions)))
+    return replace(k, startup_skew_s=round(max(0.0, statistics.median(skews)), 4) if skews else k.startup_skew_s)
+
+
+def _store_costs(requests: list[int], nbytes: list[float], rest: list[float]) -> tuple[float, float]:
+    """rest = a·requests + b·bytes by least squares (a, b >= 0); one size alone: b = 0, a its median."""
+    if len(set(nbytes)) < 2:
+        return (max(0.0, statistics.median(r / n for r, n in zip(rest, requests, strict=True))) if rest else 0.0), 0.0
+    xs = [b / n for b, n in zip(nbytes, requests, strict=True)]  # per request: rest/requests = a + b·(bytes/requests)
+    ys = [r / n for r, n in zip(rest, requests, strict=True)]
+    slope, intercept = _line(xs, ys)
+    if slope < 0:
+        return max(0.0, statistics.fmean(ys)), 0.0
+    if intercept < 0:
+        return 0.0, sum(y * x for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    return intercept, slope
 
 
 def sim_config_of(row: dict[str, Any], k: Any, args: argparse.Namespace) -> Any:

@@ -105,16 +105,24 @@ def test_known_answer_the_slow_expensive_region_reads_nothing_across_and_diloco_
 
 
 def test_a_placement_that_starts_too_late_for_the_target_is_refused_however_cheap(tmp_path: Path) -> None:
-    # At 100 ms steps and 10 KB samples, sa-east-1 reading across keeps its IO wait inside the budget
-    # but fetches its first 64 MB shard over 10 Mbit/s before step one: the whole job starts ~54 s
-    # late and misses 80%. Reading across is 5x cheaper than a copy; before the start counted, it
-    # was taken and no candidate met the budgets.
-    done = known(tmp_path, "--sample-bytes", 10_000, "--step-time", "100ms", "--steps", STEPS, "--utilization", TARGET, "--json")
+    # At 200 ms steps and 5 KB samples, sa-east-1 reading across keeps its IO wait inside the budget
+    # (its workers share the 10 Mbit/s link to us-east-1's bucket, 6.4 Mbit/s of it) but
+    # fetches its first 64 MB shard over it before step one: the whole job starts ~105 s late and
+    # misses 80%. Reading across is 4x cheaper than a copy; before the start counted, it was taken
+    # and no candidate met the budgets. Each deciding figure stays MARGIN times from its threshold.
+    done = known(tmp_path, "--sample-bytes", 5_000, "--step-time", "200ms", "--steps", STEPS, "--utilization", TARGET, "--json")
     assert done.returncode == 0, done.stderr
     rep = json.loads(done.stdout)
     across = _option(rep, SA, f"reads {US}'s bucket")
     own = _option(rep, SA, "own bucket")
-    assert across["io_wait_share_after_first_batch"] <= 0.05 and across["usd_per_epoch"] < own["usd_per_epoch"]
+    margins = {
+        "reading across: the budget over its IO wait": 0.05 / max(across["io_wait_share_after_first_batch"], 1e-9),
+        "reading across: a copy's cost over its": own["usd_per_epoch"] / across["usd_per_epoch"],
+        "reading across: its start's idle share over the allowed": (1 - across["utilization_at_most"]) / (1 - TARGET),
+        "own bucket: the allowed idle share over its start's": (1 - TARGET) / (1 - own["utilization_at_most"]),
+    }
+    thin = {name: round(m, 2) for name, m in margins.items() if m < MARGIN}
+    assert not thin, f"the answer holds by less than {MARGIN}x on: {thin} (all: {margins}); re-tune the scenario"
     assert across["time_to_first_batch_s"] > 30 and across["utilization_at_most"] < TARGET <= own["utilization_at_most"]
     why = f"starts in {across['time_to_first_batch_s']:,.1f} s: utilization at most {across['utilization_at_most']:.1%} < 80.0%"
     assert across["refused"] == why and f"reads {US}'s bucket {why}" in rep["regions"][SA]["reason"]
@@ -127,13 +135,26 @@ def test_the_answer_follows_the_matrix_on_fast_links_synchronous_training_wins(t
     plan, wan, prices = write_inputs(tmp_path)
     fast = re.sub(r"latency_ms = \d+", "latency_ms = 1", wan.read_text())
     wan.write_text(re.sub(r"bandwidth_mbit = \d+", "bandwidth_mbit = 10000", fast))
-    base = ["--regions", f"{US}:2,{EU}:1,{SA}:1", "--wan", wan, "--plan", plan, "--samples", 200_000, "--step-time", "100ms"]
+    base = ["--regions", f"{US}:2,{EU}:1,{SA}:1", "--wan", wan, "--plan", plan, "--samples", 200_000, "--step-time", "150ms"]
     prices.write_text(f'[egress.prices]\n"{US}" = 0.0\n"{EU}" = 0.0\n"{SA}" = 0.0\n')  # a private network: nothing to save
-    done = run(*base, "--prices", prices, "--out", tmp_path / "out.toml", "--json", "--hidden", 64, "--utilization", 0.8)
+    done = run(*base, "--prices", prices, "--out", tmp_path / "out.toml", "--json", "--hidden", 512, "--utilization", TARGET)
     assert done.returncode == 0, done.stderr
     rep = json.loads(done.stdout)
-    # every candidate costs $0: the one closest to synchronous training wins, and flat's longer ring loses on time alone
-    assert rep["sync"]["train_args"] == ["--sync", "hierarchical"], rep["sync"]
+    # Every candidate costs $0: the one closest to synchronous training that meets the target wins.
+    # On 1 ms links the ring's messages cost more than its bytes, and hierarchical pays the
+    # recalibrated hook_trip_s on each of its leaders' ring messages (docs/simulate.md): its ring is
+    # slower than flat's 4-rank ring, so flat wins on time, and hierarchical (preferred at equal
+    # cost) misses the target.
+    best = {kind: max(c["utilization"] for c in rep["candidates"] if c["train_args"][1] == kind) for kind in ("flat", "hierarchical")}
+    margins = {
+        "flat: the idle share allowed over its": (1 - TARGET) / (1 - best["flat"]),
+        "hierarchical: its idle share over the allowed": (1 - best["hierarchical"]) / (1 - TARGET),
+    }
+    thin = {name: round(m, 2) for name, m in margins.items() if m < MARGIN}
+    assert not thin, f"the answer holds by less than {MARGIN}x on: {thin} (all: {margins}); re-tune the scenario"
+    assert rep["sync"]["train_args"] == ["--sync", "flat"], rep["sync"]
+    rejected = {x["candidate"].split(" ")[0]: x["why"] for x in rep["rejected"]}  # the best of each kind not chosen
+    assert re.fullmatch(r"utilization \d+\.\d% < 80\.0% \(short by \d+\.\d points\)", rejected["hierarchical"]), rejected
     assert rep["egress_usd_per_epoch"] == 0 and rep["budgets"]["utilization"]["met"]
 
 
@@ -252,6 +273,11 @@ def test_inputs_refuse_a_source_outside_the_job() -> None:
 Rehearsed = tuple[dict[str, Any], dict[str, Any]]
 REH_STEPS, REH_REGIONS = 150, f"{US}:1,{EU}:1"
 REH_MODEL = ("--batch-size", 16, "--num-workers", 1, "--hidden", 256, "--step-time", "100ms")
+# The rehearsal's regions start ~7 s apart (REHEARSAL's startup_skew_s, every region launched on one
+# host), which DiLoCo's first round waits: over a run of 150 steps of 100 ms no candidate reaches the
+# default 90% (the best, DiLoCo H=100 overlapped, is predicted at ~82%). A 70% target keeps a run
+# short enough for a test and leaves the proposal 1.5x inside it by idle share.
+REH_TARGET = 0.7
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +296,7 @@ def rehearsed(tmp_path_factory: pytest.TempPathFactory) -> Rehearsed:
     matrix = Path(__file__).resolve().parents[1] / "bench" / "wan-matrix.toml"
     done = run(
         "--regions", REH_REGIONS, "--wan", matrix, "--plan", given, "--samples", 3000, "--sample-bytes", 300, "--rehearsal",
-        "--steps", REH_STEPS, *REH_MODEL, "--out", tmp / "plan.toml", "--json",
+        "--steps", REH_STEPS, *REH_MODEL, "--utilization", REH_TARGET, "--out", tmp / "plan.toml", "--json",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     proposal = json.loads(done.stdout)
@@ -307,6 +333,7 @@ def test_a_proposal_run_under_the_rehearsal_lands_within_20_percent_on_utilizati
     proposal, report = rehearsed
     assert report["complete"] and report["sync"] == proposal["sync"]["train_args"][1]
     predicted, measured = _errors(proposal, report)["utilization"]
+    assert (1 - REH_TARGET) / (1 - predicted) >= MARGIN, f"the proposal is predicted at {predicted:.1%}: re-tune REH_TARGET"
     assert abs(measured - predicted) <= 0.2 * predicted, (predicted, measured)
     if proposal["predicted"]["outer"] is not None:
         assert report["outer"]["round_count"] == proposal["predicted"]["outer"]["round_count"]
@@ -315,9 +342,9 @@ def test_a_proposal_run_under_the_rehearsal_lands_within_20_percent_on_utilizati
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the WAN rehearsal needs root (CAP_NET_ADMIN)")
 @pytest.mark.xfail(
-    reason="the sim's calibration is not there yet on this machine (docs/benchmarks.md, simulate_bench: 11 of 20 "
-    "validation runs, 2026-12-04): in the 13:xx run it predicted a wait of 0.21 s per overlapped DiLoCo round against "
-    "0.68 s measured (the regions' start-up skew, not modelled) and no in-region sync against 3.6 ms a step",
+    reason="the sim's calibration is not there yet on this machine: in the 2026-12-04 16:39 run (load 2-4) it predicted "
+    "a wait of 3.56 s for the one overlapped DiLoCo round (REHEARSAL's fitted 7 s start-up skew, measured at load 8-14) "
+    "against 0.08 s measured, and a first batch of 0.36 s against 0.11 s",
     strict=False,
 )
 def test_the_other_reported_fields_land_within_20_percent(rehearsed: Rehearsed) -> None:

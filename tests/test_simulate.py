@@ -4,6 +4,7 @@ runs under the WAN rehearsal."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import statistics
@@ -122,6 +123,20 @@ def test_store_round_by_hand() -> None:
     assert sorted(rnd.pair_bytes) == sorted([(EU, US, 2000), (US, EU, 4000), (AP, US, 2000), (US, AP, 4000)])
 
 
+def test_the_store_rounds_own_cost_per_byte_and_hierarchicals_per_message() -> None:
+    cfg = three(sync="diloco", params=1 << 20)
+    base = outer.store_round(cfg)
+    per_byte = outer.store_round(dataclasses.replace(cfg, constants=dataclasses.replace(K, store_byte_s=1e-8)))
+    # every byte of the round (3 published + 6 read pseudo-gradients of 2 MiB) through the store's one process
+    assert per_byte.seconds - base.seconds == pytest.approx(9 * (2 << 20) * 1e-8) and per_byte.bytes == base.bytes == 9 * (2 << 20)
+    # hierarchical: 0.05 s more per leaders' ring message (2(3-1) per bucket); flat unchanged
+    hook = dataclasses.replace(K, hook_trip_s=0.05)
+    for sync, extra in (("hierarchical", 4 * 0.05), ("flat", 0.0)):
+        plain = grad.step_exchange(three(sync=sync, tensor_params=(1000,)))
+        more = grad.step_exchange(three(sync=sync, tensor_params=(1000,), constants=hook))
+        assert more.seconds - plain.seconds == pytest.approx(extra)
+
+
 def test_p2p_round_is_the_ring_bound_and_says_it_is_not_calibrated() -> None:
     cfg = three(sync="diloco", params=1_000_000, outer_transport="p2p", constants=Constants(trip_s=0.0))
     rnd = outer.p2p_round(cfg)
@@ -195,6 +210,49 @@ def test_loader_first_batch_wait_and_bytes_by_hand() -> None:
     assert slow.io_wait_s_per_step == pytest.approx(10_000 / (2e6 / 0.11) - 0.0005)
 
 
+def test_a_link_to_another_regions_bucket_is_shared_by_the_regions_workers() -> None:
+    # 10 Mbit/s (1.25 MB/s) to eu-west-1's bucket, a warm-flow ramp of nothing (huge mss): two ranks
+    # of two workers each are four flows of 0.3125 MB/s, not four of 1.25 MB/s
+    k = Constants(startup_s=0.0, request_s=0.0, trip_s=0.0, batch_s=0.0, mss=10**9)
+    regions = (RegionSpec(US, 2, "s3", data_region=EU), RegionSpec(EU, 1))
+    link = (LinkSpec(US, EU, 10, 10),)
+    cfg = SimConfig(regions=regions, links=link, shard_bytes=1_000_000, manifest_bytes=1000, num_workers=2, constants=k)
+    got = loader.region_loader(cfg, regions[0], step_s=0.01)
+    fetch = 0.01 + 0.01 + 1_000_000 / (1.25e6 / 4)  # the request out, the bytes back at a quarter of the link
+    assert got.fetch_s == pytest.approx(fetch)
+    # the region's ranks together get the link's rate, whatever its workers: 2 ranks x 2 workers x 1 MB per fetch
+    assert 2 * 2 * 1_000_000 / got.fetch_s < 1.25e6
+    alone = SimConfig(regions=(RegionSpec(US, 1, "s3", data_region=EU), regions[1]), links=cfg.links, num_workers=1, constants=k)
+    assert loader.region_loader(alone, alone.regions[0], 0.01).fetch_s == pytest.approx(0.01 + 0.01 + alone.shard_bytes / 1.25e6)
+
+
+def test_a_fresh_diloco_job_sends_the_first_regions_parameters_once_in_fp32() -> None:
+    # round 0: us-east-1 (the store's host) publishes, eu-west-1's and ap-southeast-1's leaders read 4 bytes a parameter
+    cfg = three(sync="diloco", steps=30, outer_steps=10, params=1000)
+    assert outer.join_pair_bytes(cfg) == ((US, EU, 4000.0), (US, AP, 4000.0))
+    p = predict(cfg)
+    star = dict(((a, b), n) for a, b, n in outer.store_round(cfg).pair_bytes)
+    assert dict(((a, b), n) for a, b, n in p.pair_bytes)[(US, EU)] == pytest.approx(3 * star[(US, EU)] + 4000)
+    assert outer.join_pair_bytes(three(sync="flat", params=1000)) == ()
+
+
+def test_the_first_round_also_waits_for_the_regions_start_up_skew() -> None:
+    # 30 steps, H 10: three rounds of 2 s; the first also waits the skew (1.5 s), none hidden by overlap
+    cfg = three(sync="diloco", steps=30, outer_steps=10)
+    assert outer.mean_round_wait_s(2.0, cfg, 0.5, skew_s=1.5) == pytest.approx((3.5 + 2.0 + 2.0) / 3)
+    # behind 5 steps of overlap (2.5 s) the first round's 3.5 s leaves 1 s; the second hides; the last is waited in full
+    lapped = three(sync="diloco", steps=30, outer_steps=10, outer_overlap=5)
+    assert outer.mean_round_wait_s(2.0, lapped, 0.5, skew_s=1.5) == pytest.approx((1.0 + 0.0 + 2.0) / 3)
+    # the skew: the spread of the regions' first batches plus the launch's own stagger
+    assert outer.startup_skew_s([1.0, 1.75, 1.25], three(constants=Constants(startup_skew_s=0.5))) == pytest.approx(1.25)
+    base = predict(three(sync="diloco", steps=30, outer_steps=10, params=1000))
+    skewed = predict(three(sync="diloco", steps=30, outer_steps=10, params=1000, constants=Constants(startup_skew_s=0.6)))
+    assert skewed.outer_sync_s_mean - base.outer_sync_s_mean == pytest.approx(0.6 / 3, rel=1e-3)
+    # report.json's IO wait share after the first batch is over the wall after it, the rounds' waits included
+    assert skewed.step_s > base.step_s and skewed.io_wait_share_after_first_batch < base.io_wait_share_after_first_batch
+    assert skewed.io_wait_share_after_first_batch * skewed.step_s == pytest.approx(base.io_wait_share_after_first_batch * base.step_s)
+
+
 def test_egress_cost_from_the_default_table_and_given_prices() -> None:
     pairs = {(AP, US): 2e9, (US, EU): 1e9, ("xx-new-1", US): 1e9, (US, "us-east-2"): 1e9}
     usd = cost.egress_usd(pairs, ())
@@ -231,7 +289,9 @@ def test_diloco_in_region_sync_is_zero_only_without_a_peer_in_any_region() -> No
     two = three(sync="diloco", constants=k, tensor_params=(1_000_000,), regions=(RegionSpec(US, 2), RegionSpec(EU, 1), RegionSpec(AP, 1)))
     ex = grad.step_exchange(two)
     ring = 2 * 1 * 4_000_000 / 2 / 1e9 + 2 * 1 * 0.0  # 2(n-1)/n of the 4 MB bucket at 1,000 MB/s, no per-message cost
-    assert ex.seconds == pytest.approx(ring + 0.01) and ex.cross_bytes == 0
+    # us-east-1's two ranks wait ring + one bucket's hook; the two one-rank regions' ranks wait nothing:
+    # the mean over the job's four ranks, as report.json averages grad_sync_s_per_step
+    assert ex.seconds == pytest.approx((2 * (ring + 0.01) + 2 * 0.0) / 4) and ex.cross_bytes == 0
 
 
 def test_overhead_is_paid_per_micro_batch_and_step_time_per_step() -> None:
@@ -248,9 +308,12 @@ def test_simconfig_refuses_a_missing_link_and_a_bad_overlap() -> None:
 
 
 def test_host_slowdown_scales_the_hosts_costs_only() -> None:
-    k = Constants(trip_s=0.01, startup_s=1.0, store_request_s=0.5, mss=1000, ceiling_mb_s=800.0, host_slowdown=3.0).on_host()
-    assert (k.trip_s, k.startup_s, k.store_request_s) == pytest.approx((0.03, 3.0, 1.5))
+    given = Constants(trip_s=0.01, hook_trip_s=0.02, startup_s=1.0, store_request_s=0.5, store_byte_s=1e-6, startup_skew_s=2.0)
+    k = dataclasses.replace(given, mss=1000, ceiling_mb_s=800.0, host_slowdown=3.0).on_host()
+    assert (k.trip_s, k.hook_trip_s, k.startup_s) == pytest.approx((0.03, 0.06, 3.0))
     assert (k.mss, k.ceiling_mb_s, k.host_slowdown) == (1000, 800.0, 1.0)  # the network's figures stay
+    # the store's and the launch's costs are not the host's (config.HOST_COSTS): C4 took the same rounds at loads 7.6 and 14.4
+    assert (k.store_request_s, k.store_byte_s, k.startup_skew_s) == (0.5, 1e-6, 2.0)
     slow = predict(three(sync="flat", constants=Constants(startup_s=1.0, host_slowdown=4.0)))
     assert slow.time_to_first_batch_s - predict(three(sync="flat", constants=Constants(startup_s=1.0))).time_to_first_batch_s == (
         pytest.approx(3.0 + 3 * (2 * Constants().request_s), rel=1e-6)
@@ -344,8 +407,8 @@ def test_cli_json_uses_report_names_and_the_plans_prices(tmp_path: Path) -> None
     p = 2 * (512**2 + 268 * 512 + 10)  # fp16 pseudo-gradient
     by_pair = {(e["from"], e["to"]): e for e in rep["egress"]}
     assert by_pair[(EU, US)]["bytes"] == 4 * p  # one per round
-    assert by_pair[(US, EU)]["bytes"] == 4 * 2 * p  # the two others' per round
-    assert by_pair[(US, EU)]["usd"] == pytest.approx(8 * p / 1e9 * 0.05, abs=1e-4)  # the plan's price
+    assert by_pair[(US, EU)]["bytes"] == 4 * 2 * p + 2 * p  # the two others' per round, and round 0's fp32 parameters
+    assert by_pair[(US, EU)]["usd"] == pytest.approx(10 * p / 1e9 * 0.05, abs=1e-4)  # the plan's price
     assert rep["egress_usd"] == pytest.approx(sum(e["usd"] for e in rep["egress"]), abs=1e-3)
 
 
@@ -421,18 +484,20 @@ def _root_reason() -> str | None:
 
 
 # Held to 20% per run: the gradient exchange's time and bytes, the step and the bytes the forwarder
-# moved. Utilization (the compute per step is mostly CPU wait on this shared machine) and the first
-# batch are printed, not held; DiLoCo is not among the three: its step, outer round and in-region
-# sync missed 20% in runs of 2026-12-04 (docs/benchmarks.md, simulate_bench).
-HELD = ("cross_region_grad_bytes_per_step", "grad_sync_s_per_step")
-HELD_SYNCHRONOUS = ("step_s", "wan_bytes")
+# moved; for DiLoCo the bytes (its rounds and round 0's parameters). Utilization and the first batch
+# (mostly CPU wait on this shared machine: two runs of one configuration differ by a median 17% and
+# 27%, docs/benchmarks.md, simulate_bench) are printed, not held, as are DiLoCo's step and outer
+# round (the first round's start-up skew moves by seconds between runs).
+HELD = ("cross_region_grad_bytes_per_step", "grad_sync_s_per_step", "step_s", "wan_bytes")
+HELD_DILOCO = ("wan_bytes",)
 
 
 @pytest.mark.skipif(_root_reason() is not None, reason=_root_reason() or "")
 def test_predictions_within_20_percent_of_runs_under_the_rehearsal(tmp_path: Path) -> None:
-    """Three configurations (flat; hierarchical with 2 ranks in a region and fp16; the same in fp32
-    with every region reading another region's bucket) trained under bench/wan-matrix.toml and predicted with the calibrated constants
-    (geoshard/sim/calibrated.py) and the forwarder ceiling this rehearsal measured."""
+    """Four configurations (flat; hierarchical with 2 ranks in a region and fp16; the same in fp32
+    with every region reading another region's bucket; DiLoCo, H 5) trained under
+    bench/wan-matrix.toml and predicted with the calibrated constants (geoshard/sim/calibrated.py)
+    and the forwarder ceiling this rehearsal measured."""
     import argparse
     import dataclasses
     import os
@@ -461,6 +526,7 @@ def test_predictions_within_20_percent_of_runs_under_the_rehearsal(tmp_path: Pat
         sb.Spec("T1", "flat"),
         sb.Spec("T2", "hierarchical", ranks=sb.TWO, fp16=True),
         sb.Spec("T3", "hierarchical", ranks=sb.TWO, remote=True),  # each region reads another region's bucket
+        sb.Spec("T4", "diloco", outer_steps=5),
     ]
     rows = []
     with SeaweedS3(tmp_path / "weed") as server:
@@ -481,7 +547,7 @@ def test_predictions_within_20_percent_of_runs_under_the_rehearsal(tmp_path: Pat
     misses = []
     for row in rows:
         row["predicted"] = sb.predict_one(row, constants, args)
-        held = HELD + (HELD_SYNCHRONOUS if row["spec"]["sync"] != "diloco" else ())
+        held = HELD_DILOCO if row["spec"]["sync"] == "diloco" else HELD
         for metric, m in row["measured"].items():
             p = row["predicted"].get(metric)
             if not m or p is None:  # 0 or None: the run has no such figure (DiLoCo's DDP across regions)

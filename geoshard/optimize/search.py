@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from geoshard.optimize.choices import TIERS, Placement, SyncChoice, sync_grid
 from geoshard.optimize.inputs import OptimizeInputs
-from geoshard.sim import Prediction, predict
+from geoshard.sim import Prediction, outer, predict
 from geoshard.sim.config import RegionSpec, SimConfig
 from geoshard.sim.cost import price
 
@@ -177,7 +177,7 @@ def place_regions(inputs: OptimizeInputs, cfg: SimConfig) -> tuple[tuple[RegionC
             mine = [p for p in options[r.name] if p.tier == kind]
             specs.append(_as_spec(r, mine[0]) if mine else replace(r, tier="s3", data_region=None))
         p = predict(replace(cfg, regions=tuple(specs)))
-        ceilings = _ceilings(p)
+        ceilings = _ceilings(p, cfg)
         seen[kind] = {
             g.name: Seen(g.io_wait_share_after_first_batch, g.cross_region_data_bytes, g.time_to_first_batch_s, ceilings[g.name])
             for g in p.regions
@@ -186,17 +186,30 @@ def place_regions(inputs: OptimizeInputs, cfg: SimConfig) -> tuple[tuple[RegionC
     return chosen, len(kinds)
 
 
-def _ceilings(p: Prediction) -> dict[str, float]:
+def _ceilings(p: Prediction, cfg: SimConfig) -> dict[str, float]:
     """Per region, the job's utilization were its first batch the job's and its IO wait the job's:
-    what the region's placement alone allows, whatever the other regions' placements."""
+    what the region's placement alone allows, whatever the other regions' placements.
+
+    As ``predict`` models the wall: its first batch, the steps at the region's wait, and DiLoCo's
+    rounds, the first of which waits the region's own start-up skew (its first batch's lead over
+    the earliest region's, plus the launch's stagger). Another region's late start is left out:
+    it is that region's placement's cost, not this one's. The IO wait shares are over the wall
+    after the first batch, the rounds' waits included (report.json's), so times ``step_s`` they
+    give back seconds per step."""
     compute = p.steps * p.compute_s_per_step
-    if compute <= 0 or p.utilization <= 0:
+    if compute <= 0 or p.steps <= 0:
         return {g.name: 1.0 for g in p.regions}
-    step = p.step_s - p.outer_round_count * p.outer_sync_s_mean / p.steps  # compute, exchange, the slowest region's wait
-    rest = compute / p.utilization - p.time_to_first_batch_s - p.steps * p.io_wait_share_after_first_batch * step
-    return {
-        g.name: min(1.0, compute / (rest + g.time_to_first_batch_s + p.steps * g.io_wait_share_after_first_batch * step)) for g in p.regions
-    }
+    rounds = p.outer_round_count
+    busy = p.step_s - rounds * p.outer_sync_s_mean / p.steps - p.io_wait_share_after_first_batch * p.step_s
+    earliest = min(g.time_to_first_batch_s for g in p.regions)
+    stagger = cfg.constants.on_host().startup_skew_s
+    out = {}
+    for g in p.regions:
+        step = busy + g.io_wait_share_after_first_batch * p.step_s
+        skew = g.time_to_first_batch_s - earliest + stagger
+        waits = rounds * outer.mean_round_wait_s(p.outer_round_s, cfg, step, skew) if rounds else 0.0
+        out[g.name] = min(1.0, compute / (g.time_to_first_batch_s + p.steps * step + waits))
+    return out
 
 
 def _choose(

@@ -10,7 +10,20 @@ from geoshard.errors import ConfigError
 
 TIERS = ("local", "s3", "alluxio")
 # The constants that are this host's own work (Python, copies, process start), scaled by host_slowdown.
-HOST_COSTS = ("bucket_s", "trip_s", "step_overhead_s", "startup_s", "request_s", "batch_s", "checkpoint_s", "store_request_s")
+# The store's costs and the start-up skew are not among them: C4's rounds took the same time at a
+# load of 14.4 and of 7.6 (2026-12-04 13:23 and 15:5x: 7.3 and 7.0 s a round; its later rounds
+# 5.4-6.0 s both times): the store's one process and the regions' launch are paced by something
+# other than this host's run queue.
+HOST_COSTS = (
+    "bucket_s",
+    "trip_s",
+    "hook_trip_s",
+    "step_overhead_s",
+    "startup_s",
+    "request_s",
+    "batch_s",
+    "checkpoint_s",
+)
 SYNCS = ("flat", "hierarchical", "diloco")
 OUTER_TRANSPORTS = ("store", "p2p")
 # Bytes a value of the pseudo-gradient takes on the wire, per --outer-compression (trainer/diloco/codec.py:
@@ -32,6 +45,10 @@ class Constants:
     rto_min_s: float = 0.2  # Linux's minimum retransmission timeout: an idle flow past rtt + this restarts slow start
     bucket_s: float = 0.0  # the DDP comm hook's own time per bucket, network aside
     trip_s: float = 0.0  # per message overhead of a collective step or a store request (kernel, gloo, Python)
+    # More per ring message under hierarchical's hook, which runs reduce, ring and broadcast
+    # synchronously on the training thread (trainer/comm.py): each step waits for that thread to
+    # be scheduled again; flat's asynchronous hook leaves the ring to gloo's own threads.
+    hook_trip_s: float = 0.0
     local_mb_s: float = 2000.0  # a hop inside one region (loopback / the region's network)
     cpu_gflops: float = 10.0  # the built-in model's forward+backward rate per rank (6 x params x samples flops)
     step_overhead_s: float = 0.002  # per optimizer step outside compute: the loop's own bookkeeping
@@ -41,8 +58,17 @@ class Constants:
     batch_s: float = 0.0005  # a batch's hand-off from a worker to the training process
     checkpoint_s: float = 0.05  # fixed cost of one checkpoint, besides its bytes at local_mb_s
     store_request_s: float = 0.0  # a store request's own cost beyond its round trip (TCPStore, signing, Python)
+    # A byte through the outer store's own work (one TCPStore process serving every leader's
+    # publish and multi_get, the signature, the checks). Fitted beside store_request_s from two
+    # pseudo-gradient sizes (C4, C6); 0 on this machine (2026-12-04 16:2x): C6's 2.6 MB rounds
+    # were no longer than C4's 1.6 MB ones.
+    store_byte_s: float = 0.0
     outer_trips_before: int = 3  # store round trips before a round closes (roster, close, members)
     outer_trips_after: int = 3  # and after it (multi_get, latest, state)
+    # The regions' start-up skew beyond their first batches' spread: each region's processes are
+    # started one after another and import torch on a shared host, so the first DiLoCo round also
+    # waits for the last region to arrive (the first round's excess over the later ones).
+    startup_skew_s: float = 0.0
     # How much slower this host's own work runs than where the host costs were fitted per unit: a
     # machine whose cores are shared (load L on c cores: about L/c); 1 on dedicated nodes.
     host_slowdown: float = 1.0

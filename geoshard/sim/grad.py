@@ -7,7 +7,8 @@ all-reduces its buckets one after another (the first bucket holds 1 MB of gradie
 25 MB each); accumulation syncs once per optimizer step (no_sync before).
 
 A process group of one rank (a one-rank job, or a one-rank region under DiLoCo) has no DDP and no
-hook (trainer/comm.py ``for_sync``): its exchange is 0.
+hook (trainer/comm.py ``for_sync``): its exchange is 0. Under DiLoCo each region's ranks wait only
+for their own region's all-reduce: the step's figure is their mean over the job's ranks.
 
 ``flat``: one ring over every rank in rank order (regions in the job's order): R of its hops cross
 regions. ``hierarchical``: reduce onto each region's leader, a ring over the leaders (fp16 here
@@ -91,11 +92,23 @@ def step_exchange(cfg: SimConfig, step: int = 0, idle_s: float = math.inf) -> Gr
         out = _flat(cfg, sizes, 0.5 if fp16 else 1.0, idle_s)
     elif cfg.sync == "hierarchical":
         out = _hierarchical(cfg, sizes, 0.5 if fp16 else 1.0, idle_s)
-    else:  # diloco: DDP inside each region only, a flat ring over the largest region's ranks
-        k = cfg.constants
-        out = GradStep(ring_allreduce_s([float(b) for b in sizes], largest, [None], k, k.gloo_threads), 0.0, ())
+    else:
+        return _diloco_in_region(cfg, sizes)
     # The comm hook's own time per bucket (its cast, copy and the call into gloo).
     return dataclasses.replace(out, seconds=out.seconds + len(sizes) * cfg.constants.bucket_s)
+
+
+def _diloco_in_region(cfg: SimConfig, sizes: list[int]) -> GradStep:
+    """DiLoCo: DDP inside each region only, a flat ring over the region's ranks plus the hook's
+    ``bucket_s`` per bucket; a one-rank region runs neither. The regions do not wait for each other
+    between rounds, so the figure is the mean over the job's ranks, as report.json averages it."""
+    k = cfg.constants
+    total = 0.0
+    for r in cfg.regions:
+        if r.ranks > 1:
+            one = ring_allreduce_s([float(b) for b in sizes], r.ranks, [None], k, k.gloo_threads) + len(sizes) * k.bucket_s
+            total += r.ranks * one
+    return GradStep(total / cfg.world_size, 0.0, ())
 
 
 def mean_exchange(cfg: SimConfig, idle_s: float = math.inf) -> GradStep:
@@ -142,7 +155,8 @@ def _flat(cfg: SimConfig, sizes: list[int], wire: float, idle_s: float) -> GradS
 def _hierarchical(cfg: SimConfig, sizes: list[int], wire: float, idle_s: float) -> GradStep:
     n = len(cfg.regions)
     hops, crossing = _ring_hops(cfg, [(r.name, 1) for r in cfg.regions])
-    cross = ring_allreduce_s([b * wire for b in sizes], n, hops, cfg.constants, idle_s=idle_s)
+    k = cfg.constants
+    cross = ring_allreduce_s([b * wire for b in sizes], n, hops, dataclasses.replace(k, trip_s=k.trip_s + k.hook_trip_s), idle_s=idle_s)
     seconds = cross + _in_region(cfg, sizes).seconds
     per_hop = sum(2 * (n - 1) * b * wire / n for b in sizes)
     return GradStep(seconds, per_hop * len(crossing), tuple((a, b, per_hop) for a, b in crossing))

@@ -8,6 +8,9 @@
   step: supply = workers·shard/(fetch), demand = bytes per step / step time. With
   supply >= demand the wait is the per-batch hand-off (``batch_s``); below it the rank waits
   for the missing share: step·(demand/supply - 1).
+- A link to another region's bucket is shared: the region's ranks x workers fetch over it at
+  once (a TCP flow each), so each flow gets the link's rate over their count and the region's
+  supply is the link's rate, not a worker's full rate times the workers.
 - Bytes per tier: the shards the rank's samples span, plus what the workers prefetched ahead
   (workers x prefetch shards), each at most the region's corpus once per epoch read.
 """
@@ -15,10 +18,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from geoshard.sim.config import RegionSpec, SimConfig
-from geoshard.sim.links import one_way, transfer_s
+from geoshard.sim.config import LinkSpec, RegionSpec, SimConfig
+from geoshard.sim.links import one_way, rate, transfer_s
 
 
 @dataclass(frozen=True)
@@ -30,23 +33,32 @@ class LoaderPrediction:
     fetch_s: float  # one shard's fetch
 
 
-def shard_fetch_s(cfg: SimConfig, region: RegionSpec, nbytes: float) -> float:
+def shard_fetch_s(cfg: SimConfig, region: RegionSpec, nbytes: float, flows: int = 1) -> float:
+    """One fetch of ``nbytes``; ``flows``: the fetches sharing the link to another region's bucket."""
     k = cfg.constants
     source = region.data_region or region.name
     if region.tier == "s3" and source != region.name:
-        link = cfg.link(region.name, source)
+        link = shared(cfg.link(region.name, source), flows, cfg)
         return k.request_s + one_way(link) + transfer_s(nbytes, link, k)  # the request out, the bytes back
     return k.request_s + nbytes / k.tier_rate(region.tier)
+
+
+def shared(link: LinkSpec | None, flows: int, cfg: SimConfig) -> LinkSpec | None:
+    """``link`` as one of ``flows`` concurrent flows sees it: its rate (cap or forwarder ceiling) over their count."""
+    if link is None or flows <= 1:
+        return link
+    return replace(link, bandwidth_mbit=rate(link, cfg.constants) * 8 / 1e6 / flows)
 
 
 def region_loader(cfg: SimConfig, region: RegionSpec, step_s: float) -> LoaderPrediction:
     """``step_s``: the rank's time per optimizer step without data wait (compute and sync)."""
     k = cfg.constants
-    manifest = shard_fetch_s(cfg, region, cfg.manifest_bytes)
-    fetch = shard_fetch_s(cfg, region, cfg.shard_bytes)
+    flows = region.ranks * max(1, cfg.num_workers)  # every worker of the region fetches at once
+    manifest = shard_fetch_s(cfg, region, cfg.manifest_bytes, region.ranks)  # one manifest read per rank
+    fetch = shard_fetch_s(cfg, region, cfg.shard_bytes, flows)
     first = k.startup_s + manifest + fetch
     per_step = cfg.batch_size * cfg.accum_steps * cfg.sample_bytes
-    supply = max(1, cfg.num_workers) * cfg.shard_bytes / fetch  # bytes/s a rank's workers deliver
+    supply = max(1, cfg.num_workers) * cfg.shard_bytes / fetch  # bytes/s a rank's workers deliver (on a shared link)
     demand = per_step / step_s if step_s > 0 else math.inf
     handoff = cfg.accum_steps * k.batch_s
     wait = handoff if supply >= demand else handoff + per_step / supply - step_s

@@ -6,8 +6,9 @@ in fp32) to the store (P over its link to the store), waits for the round to clo
 ``outer_trips_before`` round trips: roster, close, members), then reads the other m-1 members'
 in one multi_get ((m-1)·P back over the same link) and the latest state (``outer_trips_after``
 round trips in all). The round closes when the slowest publish has landed, so
-round = max_r(publish_r + trips_before·rtt_r) + max_r(trips_after·rtt_r + read_r).
-Bytes through the star: m·P published + m(m-1)·P read. P is params x the compression's bytes a
+round = max_r(publish_r + trips_before·rtt_r) + max_r(trips_after·rtt_r + read_r) + B·store_byte_s.
+Bytes through the star: B = m·P published + m(m-1)·P read, all of them through the store's one
+process (``store_byte_s``: its own work per byte, fitted). P is params x the compression's bytes a
 value (``OUTER_BYTES``: 2 for fp16/bf16, 4 for none, about 1 for int8/fp8).
 
 ``p2p_round`` is the ring transport another engineer is building (``--outer-transport p2p``):
@@ -56,7 +57,8 @@ def store_round(cfg: SimConfig) -> OuterRound:
     for r in links:
         if r != host:
             pairs += [(r, host, p), (host, r, (m - 1) * p)]
-    return OuterRound(before + after, m * p + m * (m - 1) * p, tuple(pairs))
+    total = m * p + m * (m - 1) * p  # every byte of the round passes the store's one process
+    return OuterRound(before + after + total * k.store_byte_s, total, tuple(pairs))
 
 
 def p2p_round(cfg: SimConfig) -> OuterRound:
@@ -74,6 +76,16 @@ def p2p_round(cfg: SimConfig) -> OuterRound:
     return OuterRound(seconds, m * carried, pairs, calibrated=False)
 
 
+def join_pair_bytes(cfg: SimConfig) -> tuple[tuple[str, str, float], ...]:
+    """A fresh job's round 0 (trainer/diloco/rank.py ``join``): the first region publishes its
+    parameters to the store beside it and every other region's leader reads them once, in fp32
+    (torch's serialized state: 4 bytes a parameter; its few hundred bytes of framing left out)."""
+    if cfg.sync != "diloco" or len(cfg.regions) < 2 or cfg.params <= 0:
+        return ()
+    host = cfg.regions[0].name
+    return tuple((host, r.name, 4.0 * cfg.params) for r in cfg.regions[1:])
+
+
 def exchange_round(cfg: SimConfig) -> OuterRound:
     return p2p_round(cfg) if cfg.outer_transport == "p2p" else store_round(cfg)
 
@@ -83,11 +95,25 @@ def round_wait_s(round_s: float, overlap_steps: int, step_s: float) -> float:
     return max(0.0, round_s - overlap_steps * step_s)
 
 
-def mean_round_wait_s(round_s: float, cfg: SimConfig, step_s: float) -> float:
+def mean_round_wait_s(round_s: float, cfg: SimConfig, step_s: float, skew_s: float = 0.0) -> float:
     """The wait per round over the run. A round starting at step s hides behind at most the
     steps left after it: the trainer takes a round still in flight after the last step
     (trainer/diloco/rank.py, ``finish``), so with steps a multiple of H the last round is waited
-    in full even with ``--outer-overlap``."""
-    starts = range(cfg.outer_steps, cfg.steps + 1, cfg.outer_steps)
-    waits = [round_wait_s(round_s, min(cfg.outer_overlap, cfg.steps - s), step_s) for s in starts]
-    return sum(waits) / len(waits) if waits else 0.0
+    in full even with ``--outer-overlap``. The first round also waits for the regions' start-up
+    skew ``skew_s`` (the last region to start reaches it that much later than the first)."""
+    h, k = cfg.outer_steps, cfg.outer_overlap
+    n = cfg.steps // h if h > 0 else 0  # rounds start at steps h, 2h, ... <= steps
+    if n == 0:
+        return 0.0
+    # O(1) in the rounds (a search predicts runs of millions of steps): every round hides behind k
+    # steps but the first (the skew) and those starting fewer than k steps before the end
+    tail = (cfg.steps - k) // h if cfg.steps >= k else 0  # the first round starting fewer than k steps before the end
+    special = sorted({0, *range(tail, n)})
+    waits = [round_wait_s(round_s + (skew_s if i == 0 else 0.0), min(k, cfg.steps - (i + 1) * h), step_s) for i in special]
+    return (sum(waits) + (n - len(special)) * round_wait_s(round_s, k, step_s)) / n
+
+
+def startup_skew_s(first_batches: list[float], cfg: SimConfig) -> float:
+    """How much later the last region reaches its first round than the first: its first batch's
+    lead (remote data, more ranks) plus ``startup_skew_s``, the launch's own stagger."""
+    return (max(first_batches) - min(first_batches) if first_batches else 0.0) + cfg.constants.startup_skew_s

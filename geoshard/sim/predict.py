@@ -120,9 +120,12 @@ def predict(cfg: SimConfig) -> Prediction:
     step = busy + wait
     rnd = outer.exchange_round(cfg) if cfg.sync == "diloco" else outer.OuterRound(0.0, 0.0, ())
     rounds = cfg.steps // cfg.outer_steps if cfg.sync == "diloco" and len(cfg.regions) > 1 else 0
-    round_wait = outer.mean_round_wait_s(rnd.seconds, cfg, step) if rounds else 0.0
+    skew = outer.startup_skew_s([x.time_to_first_batch_s for x in loaders], cfg)
+    round_wait = outer.mean_round_wait_s(rnd.seconds, cfg, step, skew) if rounds else 0.0
     first = max(x.time_to_first_batch_s for x in loaders)
     wall = first + cfg.steps * step + rounds * round_wait
+    # report.json's IO wait share after the first batch is over the wall after it, rounds' waits included
+    after = step + rounds * round_wait / cfg.steps
     utilization = min(1.0, cfg.steps * compute / wall) if wall > 0 else 0.0
 
     pairs: dict[tuple[str, str], float] = {}
@@ -130,6 +133,8 @@ def predict(cfg: SimConfig) -> Prediction:
         pairs[(a, b)] = pairs.get((a, b), 0.0) + n * cfg.steps
     for a, b, n in rnd.pair_bytes:
         pairs[(a, b)] = pairs.get((a, b), 0.0) + n * rounds
+    for a, b, n in outer.join_pair_bytes(cfg):  # round 0: the first region's parameters, once
+        pairs[(a, b)] = pairs.get((a, b), 0.0) + n
     for r, x in zip(cfg.regions, loaders, strict=True):
         if x.egress_bytes:
             key = (r.data_region or r.name, r.name)
@@ -140,7 +145,7 @@ def predict(cfg: SimConfig) -> Prediction:
             r.name,
             r.ranks,
             x.time_to_first_batch_s,
-            x.io_wait_s_per_step / step if step > 0 else 0.0,
+            x.io_wait_s_per_step / after if after > 0 else 0.0,
             r.tier,
             x.tier_bytes,
             x.egress_bytes,
@@ -155,9 +160,9 @@ def predict(cfg: SimConfig) -> Prediction:
         utilization=utilization,
         grad_sync_s_per_step=exchange.seconds,
         cross_region_grad_bytes_per_step=exchange.cross_bytes,
-        io_wait_share_after_first_batch=wait / step if step > 0 else 0.0,
+        io_wait_share_after_first_batch=wait / after if after > 0 else 0.0,
         time_to_first_batch_s=first,
-        step_s=step + (rounds * round_wait / cfg.steps),
+        step_s=after,
         compute_s_per_step=compute,
         outer_round_count=rounds,
         outer_round_s=rnd.seconds,
