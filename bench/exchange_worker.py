@@ -128,7 +128,7 @@ def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, 
     contributed = {s: v.clone() for s, v in values.items()}
     works, _ = start_allreduce(groups, values)
     for s, v in contributed.items():
-        store.set(f"trainer/mac/{tag}/{s}/{ctx.region}", mac.encode_projections(mac.project(signer, tag, s, v)))
+        store.set(f"trainer/mac/{tag}/{s}/{ctx.region}", mac.encode_projections(mac.project(signer, tag, s, v, keep=True)))
     t1 = time.perf_counter()
     _wait_all(works)
     t2 = time.perf_counter()
