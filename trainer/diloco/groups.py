@@ -4,7 +4,9 @@ A group is a ``ProcessGroupGloo`` over ``PrefixStore(prefix, store)``: the store
 rendezvous (each rank's address, a few hundred bytes), the tensors go between the ranks. Each
 group's device binds only where the rank is told to (``Bind``: the region's address under the WAN
 rehearsal, the interface of ``GLOO_SOCKET_IFNAME``, 127.0.0.1 on one machine; docs/guarantees.md
-section 10). Groups are made once per membership and reused while it holds (``GroupCache``).
+section 10). Groups are made once per membership, all at once (``GroupCache.make_all``: each its
+own thread, so a new membership costs one rendezvous, not one per group), and reused while it
+holds.
 
 ``CountingStore`` wraps the store client and counts the bytes every call carries, so a round's
 traffic through the store is recorded (``store_bytes``).
@@ -14,7 +16,8 @@ from __future__ import annotations
 
 import datetime
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +123,21 @@ class GroupCache:
         if key not in self._groups:
             self._groups[key] = make()
         return self._groups[key]
+
+    def make_all(self, wanted: Sequence[tuple[Hashable, Callable[[], Any]]]) -> None:
+        """Make the missing ones of ``wanted`` all at once, one thread each: a group's rendezvous
+        waits on the store and on its peers (a few round trips across the WAN), so made one after
+        another they took about 2.5 s each under the rehearsal. Each wait has the group's own
+        timeout; the first that fails raises once the others are done."""
+        missing = [(key, make) for key, make in wanted if key not in self._groups]
+        if len(missing) <= 1:
+            for key, make in missing:
+                self._groups[key] = make()
+            return
+        with ThreadPoolExecutor(len(missing), thread_name_prefix="gloo-group") as pool:
+            futures = [(key, pool.submit(make)) for key, make in missing]
+        for key, future in futures:
+            self._groups[key] = future.result()
 
     def keep(self, wanted: Callable[[Hashable], bool]) -> None:
         for key in [k for k in self._groups if not wanted(k)]:

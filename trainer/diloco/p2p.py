@@ -237,7 +237,8 @@ class P2PExchange:
         """Each owned shard's signed MAC projections of what this rank contributes."""
         tag = f"{r}/{attempt}/{name}"
         for s, t in contributed.items():
-            self.kv.set(self.mac_key(r, attempt, name, s, self.region), mac.encode_projections(mac.project(self.kv.signer, tag, s, t, keep=True)))
+            projections = mac.project(self.kv.signer, tag, s, t, keep=True)  # its codes kept for the check
+            self.kv.set(self.mac_key(r, attempt, name, s, self.region), mac.encode_projections(projections))
 
     def _hand_over(self, groups: ShardGroups, ring: Ring, d: Decision) -> int:
         """Regions that rejoined get the outer state (fp32 parameters and momentum) from the first
