@@ -46,6 +46,7 @@ class Ctx:
         self.lighthouse: Any = None  # torchft's Lighthouse (rank 0 only)
         self.group_store: Any = None  # the region's own store, which torchft's Manager joins
         self.trainer: Any = None  # trainer-K: (store, layout, groups, region group, signer, calls)
+        self.groups_s: dict[str, float] = {}  # trainer-K: seconds to make its groups, serially and at once
 
 
 def _rendezvous(ctx: Ctx) -> None:
@@ -116,8 +117,20 @@ def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, 
         members = Membership(tuple((str(r), ctx.ppr) for r in range(ctx.n)), "bench")
         bind = Bind(hostname=ctx.args.address)
         prefix, timeout = f"trainer/{variant}/{t.numel()}", ctx.args.timeout
+        # the baseline: the same groups made one after another (as before), then the trainer's, all at once
+        serial = ShardGroups(store, prefix + "/serial", layout, members, str(ctx.region), _streams(variant), bind, timeout, GroupCache())
+        dist.barrier()
+        t0 = time.perf_counter()
+        for s in layout.mine:
+            for c in range(len(serial.pieces(s))):
+                serial.group(s, c)
+        dist.barrier()
+        t1 = time.perf_counter()
         groups = ShardGroups(store, prefix, layout, members, str(ctx.region), _streams(variant), bind, timeout, GroupCache())
         make_groups(groups, layout.mine)
+        dist.barrier()
+        ctx.groups_s = {"groups_serial": t1 - t0, "groups": time.perf_counter() - t1}
+        del serial
         region = ctx.local[ctx.region] if ctx.ppr > 1 else None
         ctx.trainer = (store, layout, groups, region, Signer(b"exchange-bench-secret-0123456789abcdef"), [0])
     store, layout, groups, region, signer, count = ctx.trainer
@@ -266,6 +279,10 @@ def measure(ctx: Ctx, variant: str, nbytes: int, warmup: int, repeats: int) -> d
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the exchange ends when its last rank has it
     out: dict[str, Any] = {"variant": variant, "bytes": numel * 2, "times_s": [round(x, 4) for x in slowest.tolist()]}
+    if variant.startswith("trainer-"):  # the slowest rank's, from barrier to barrier
+        made = torch.tensor([ctx.groups_s["groups_serial"], ctx.groups_s["groups"]], dtype=torch.float64)
+        dist.all_reduce(made, op=dist.ReduceOp.MAX)
+        out["groups_s"] = {"serial": round(float(made[0]), 3), "at_once": round(float(made[1]), 3)}
     if phases:  # every rank's, by region (torchft: one rank per region); tensors, as torchft's venv has no numpy
         names = sorted(phases)
         mine = torch.tensor([first.get(k, float("nan")) for k in names] + [x for k in names for x in phases[k]], dtype=torch.float64)

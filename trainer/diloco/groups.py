@@ -48,20 +48,30 @@ LOOPBACK = Bind(hostname="127.0.0.1")
 class CountingStore(dist.Store):
     """A store client that counts the bytes of keys and values it sends and receives."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, parent: CountingStore | None = None) -> None:
         super().__init__()
         self.inner = inner
+        self._parent = parent  # a clone counts into the store it was cloned from
         self._lock = threading.Lock()
         self._bytes = 0
 
     @property
     def carried(self) -> int:
-        """Bytes of keys and values sent and received so far."""
+        """Bytes of keys and values sent and received so far (by its clones too)."""
         return self._bytes
 
     def _count(self, n: int) -> None:
+        if self._parent is not None:
+            self._parent._count(n)
+            return
         with self._lock:
             self._bytes += n
+
+    def clone(self) -> CountingStore:
+        """A client of its own (a new connection to the same store), counted here: a store
+        client serializes its calls, and a blocking wait holds it, so groups made at once each
+        need one, or one group's wait blocks the key another rank's group waits for."""
+        return CountingStore(self.inner.clone(), self._parent or self)
 
     def set(self, key: str, value: Any) -> None:
         self._count(len(key) + len(value))
@@ -129,7 +139,7 @@ class GroupCache:
         waits on the store and on its peers (a few round trips across the WAN), so made one after
         another they took about 2.5 s each under the rehearsal. Each wait has the group's own
         timeout; the first that fails raises once the others are done."""
-        missing = [(key, make) for key, make in wanted if key not in self._groups]
+        missing = [(key, make) for key, make in wanted if key not in self._groups]  # ``make``s use their own store clients
         if len(missing) <= 1:
             for key, make in missing:
                 self._groups[key] = make()

@@ -82,8 +82,11 @@ class ShardGroups:
         return self._cache.get((self.mship.name, s, c), lambda: self._make(s, c))
 
     def _make(self, s: int, c: int) -> Any:
+        """One group, on a store client of its own (``store.clone()``): groups are made at once,
+        and one client's blocking wait would hold every other group's rendezvous behind it."""
         store, prefix, rank, size, bind, timeout_s = self._args
-        return gloo_group(store, f"{prefix}/x/{self.mship.name}/s{s}/c{c}/", rank, size, bind, timeout_s)
+        client = store.clone() if hasattr(store, "clone") else store
+        return gloo_group(client, f"{prefix}/x/{self.mship.name}/s{s}/c{c}/", rank, size, bind, timeout_s)
 
     def make_all(self, shards: Sequence[int]) -> None:
         """Every group of ``shards``' chunks not made yet, all at once (``GroupCache.make_all``)."""
