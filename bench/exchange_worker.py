@@ -19,6 +19,7 @@ import select
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -143,13 +144,22 @@ def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, 
     for s, v in contributed.items():
         store.set(f"trainer/mac/{tag}/{s}/{ctx.region}", mac.encode_projections(mac.project(signer, tag, s, v, keep=True)))
     t1 = time.perf_counter()
-    _wait_all(works)
-    t2 = time.perf_counter()
+
+    def fetch() -> dict[int, list[list[float]]]:  # as p2p.py: the projections read while the chunks travel
+        out = {}
+        for s in values:
+            keys = [f"trainer/mac/{tag}/{s}/{r}" for r in range(ctx.n)]
+            store.wait(keys, ctx.timeout)
+            out[s] = [mac.decode_projections(x) for x in store.multi_get(keys)]
+        return out
+
+    with ThreadPoolExecutor(1) as pool:
+        fetched = pool.submit(fetch)
+        _wait_all(works)
+        t2 = time.perf_counter()
+        published = fetched.result()
     for s, v in values.items():
-        keys = [f"trainer/mac/{tag}/{s}/{r}" for r in range(ctx.n)]
-        store.wait(keys, ctx.timeout)
-        published = [mac.decode_projections(x) for x in store.multi_get(keys)]
-        mac.check(signer, tag, s, v, published, "fp16")
+        mac.check(signer, tag, s, v, published[s], "fp16")
     t3 = time.perf_counter()
     if region is not None:
         full, _ = gather_in_region(region, layout, {s: v.float() for s, v in values.items()})

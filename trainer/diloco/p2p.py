@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -223,10 +224,13 @@ class P2PExchange:
         works, sent = start_allreduce(groups, values)
         self._publish(r, attempt, d.name, contributed)
         self.phases.tick("mac_publish")
-        for w in works:
-            w.wait()
-        self.phases.tick("transfer")
-        why = self._check(r, attempt, d, values)
+        with ThreadPoolExecutor(1, thread_name_prefix="mac-fetch") as pool:
+            # the members' projections are read while the chunks travel (this thread only waits on gloo meanwhile)
+            fetched = pool.submit(self._published, r, attempt, d)
+            for w in works:
+                w.wait()
+            self.phases.tick("transfer")
+            why = self._check(r, attempt, d, values, fetched.result())
         self.phases.tick("mac_check")
         if d.fresh:
             sent += self._hand_over(groups, ring, d)
@@ -280,20 +284,36 @@ class P2PExchange:
     def mac_key(self, r: int, attempt: int, name: str, s: int, region: str) -> str:
         return self.kv.key("r", r, attempt, "mac", name, s, region)
 
-    def _check(self, r: int, attempt: int, d: Decision, summed: dict[int, torch.Tensor]) -> str:
-        """Each owned shard's sum against the members' signed projections; why not, or ''."""
-        for s, t in summed.items():
+    def _published(self, r: int, attempt: int, d: Decision) -> dict[int, list[list[float]] | Refused | str]:
+        """Each owned shard's members' signed projections; Refused, or why they did not arrive."""
+        out: dict[int, list[list[float]] | Refused | str] = {}
+        for s in self.layout.mine:
             keys = [self.mac_key(r, attempt, d.name, s, g) for g in d.members]
             if not self.kv.wait_all(keys, self.sync.round_timeout_s):
-                return f"shard {s}: the members' projections did not arrive within {self.sync.round_timeout_s:g} s"
+                out[s] = f"shard {s}: the members' projections did not arrive within {self.sync.round_timeout_s:g} s"
+                continue
             try:
                 published = []
                 for key, value in zip(keys, self.kv.open_many(keys), strict=True):
                     if value is None:
                         raise Refused("unauthenticated", f"{key} is not signed by the job")
                     published.append(mac.decode_projections(value))
-                mac.check(self.kv.signer, f"{r}/{attempt}/{d.name}", s, t, published, self.sync.compression)
+                out[s] = published
             except Refused as e:
-                self.kv.signer.refuse(keys[d.members.index(self.region)], e, log_it=False)
+                out[s] = e
+        return out
+
+    def _check(self, r: int, attempt: int, d: Decision, summed: dict[int, torch.Tensor], published: dict) -> str:
+        """Each owned shard's sum against the members' signed projections (``_published``); why not, or ''."""
+        for s, t in summed.items():
+            pub = published[s]
+            if isinstance(pub, str):
+                return pub
+            try:
+                if isinstance(pub, Refused):
+                    raise pub
+                mac.check(self.kv.signer, f"{r}/{attempt}/{d.name}", s, t, pub, self.sync.compression)
+            except Refused as e:
+                self.kv.signer.refuse(self.mac_key(r, attempt, d.name, s, self.region), e, log_it=False)
                 return f"shard {s}: {e.kind}: {e.reason}"
         return ""
