@@ -100,6 +100,37 @@ def exchange_gloo(ctx: Ctx, variant: str, t: torch.Tensor) -> None:
         raise ValueError(f"unknown variant {variant!r}")
 
 
+def trainer_setup(ctx: Ctx, variant: str, t: torch.Tensor) -> None:
+    """``trainer-K``'s groups, once per variant and size (as the trainer makes them once per
+    membership), before any timed exchange."""
+    from geoshard.trainer.diloco.auth import Signer
+    from geoshard.trainer.diloco.groups import Bind, GroupCache
+    from geoshard.trainer.diloco.sharded import Membership, ShardGroups, make_groups
+    from geoshard.trainer.diloco.shards import Layout
+
+    store = dist.distributed_c10d._get_default_store()
+    layout = Layout(t.numel(), ctx.ppr, ctx.ppr, ctx.k)
+    members = Membership(tuple((str(r), ctx.ppr) for r in range(ctx.n)), "bench")
+    bind = Bind(hostname=ctx.args.address)
+    prefix, timeout = f"trainer/{variant}/{t.numel()}", ctx.args.timeout
+    # the baseline: the same groups made one after another (as before), then the trainer's, all at once
+    serial = ShardGroups(store, prefix + "/serial", layout, members, str(ctx.region), _streams(variant), bind, timeout, GroupCache())
+    dist.barrier()
+    t0 = time.perf_counter()
+    for s in layout.mine:
+        for c in range(len(serial.pieces(s))):
+            serial.group(s, c)
+    dist.barrier()
+    t1 = time.perf_counter()
+    groups = ShardGroups(store, prefix, layout, members, str(ctx.region), _streams(variant), bind, timeout, GroupCache())
+    make_groups(groups, layout.mine)
+    dist.barrier()
+    ctx.groups_s = {"groups_serial": t1 - t0, "groups": time.perf_counter() - t1}
+    del serial
+    region = ctx.local[ctx.region] if ctx.ppr > 1 else None
+    ctx.trainer = (store, layout, groups, region, Signer(b"exchange-bench-secret-0123456789abcdef"), [0])
+
+
 def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, list[float]]) -> None:
     """``trainer-K``: the trainer's own p2p path (trainer/diloco/sharded.py and mac.py, as p2p.py
     runs them): its shards' groups made once and reused, each shard in the chunks ``K`` streams per
@@ -107,33 +138,8 @@ def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, 
     the chunks travel, the sum checked against every region's, then the in-region gather. Geoshard
     is imported here only, so the torchft venv never needs it."""
     from geoshard.trainer.diloco import mac
-    from geoshard.trainer.diloco.auth import Signer
-    from geoshard.trainer.diloco.groups import Bind, GroupCache
-    from geoshard.trainer.diloco.sharded import Membership, ShardGroups, gather_in_region, make_groups, start_allreduce
-    from geoshard.trainer.diloco.shards import Layout
+    from geoshard.trainer.diloco.sharded import gather_in_region, start_allreduce
 
-    if ctx.trainer is None:  # once per variant and size, as the trainer does per membership
-        store = dist.distributed_c10d._get_default_store()
-        layout = Layout(t.numel(), ctx.ppr, ctx.ppr, ctx.k)
-        members = Membership(tuple((str(r), ctx.ppr) for r in range(ctx.n)), "bench")
-        bind = Bind(hostname=ctx.args.address)
-        prefix, timeout = f"trainer/{variant}/{t.numel()}", ctx.args.timeout
-        # the baseline: the same groups made one after another (as before), then the trainer's, all at once
-        serial = ShardGroups(store, prefix + "/serial", layout, members, str(ctx.region), _streams(variant), bind, timeout, GroupCache())
-        dist.barrier()
-        t0 = time.perf_counter()
-        for s in layout.mine:
-            for c in range(len(serial.pieces(s))):
-                serial.group(s, c)
-        dist.barrier()
-        t1 = time.perf_counter()
-        groups = ShardGroups(store, prefix, layout, members, str(ctx.region), _streams(variant), bind, timeout, GroupCache())
-        make_groups(groups, layout.mine)
-        dist.barrier()
-        ctx.groups_s = {"groups_serial": t1 - t0, "groups": time.perf_counter() - t1}
-        del serial
-        region = ctx.local[ctx.region] if ctx.ppr > 1 else None
-        ctx.trainer = (store, layout, groups, region, Signer(b"exchange-bench-secret-0123456789abcdef"), [0])
     store, layout, groups, region, signer, count = ctx.trainer
     count[0] += 1
     tag = f"{variant}/{t.numel()}/{count[0]}"
@@ -254,7 +260,7 @@ def measure(ctx: Ctx, variant: str, nbytes: int, warmup: int, repeats: int) -> d
             exchange_torchft(ctx, variant, t, phases)
     elif variant.startswith("trainer-"):
         expect = SUM[ctx.n]
-        ctx.trainer = None
+        trainer_setup(ctx, variant, t)  # not timed: at sizes run once (no warm-up) it would be
 
         def run() -> None:
             exchange_trainer(ctx, variant, t, phases)

@@ -118,7 +118,7 @@ def test_the_codes_are_the_same_bits_in_two_processes_without_cuda_whatever_thei
     assert outs[0][-1].strip() == outs[1][-1].strip() == "False"  # no CUDA in either
     here = hashlib.sha256()
     for codes in mac._draw(mac._seeds(SIGNER, "r/3/0", 2), mac.CHUNK + 1001, torch.device("cpu")):
-        assert codes.dtype == torch.int32 and int(codes.min()) >= 0 and int(codes.max()) < 1 << mac.K
+        assert codes.dtype == torch.int16 and int(codes.min()) >= 0 and int(codes.max()) < 1 << mac.K
         here.update(codes.numpy().tobytes())
     assert here.hexdigest() == outs[0][0]
     # the same projections to float64 rounding (the bucket sums may add in another order)
@@ -149,7 +149,7 @@ def test_codes_kept_for_the_check_are_used_once_and_stay_within_their_bound(monk
     assert len(mac.KEPT) == 0
     assert mac.project(SIGNER, "keep", 0, x, keep=True) == fresh and len(mac.KEPT) == 1
     assert mac.project(SIGNER, "keep", 0, x) == fresh and len(mac.KEPT) == 0  # the check took them
-    monkeypatch.setattr(mac, "KEEP_BYTES", 3 * 4 * 10_000)
+    monkeypatch.setattr(mac, "KEEP_BYTES", 3 * 2 * 10_000)
     for s in range(4):  # the fourth does not fit beside three: the oldest goes
         mac.project(SIGNER, "keep", s, x, keep=True)
     assert len(mac.KEPT) == 3

@@ -9,8 +9,10 @@ of its seed, hence two: 64 secret bits; nobody without the job's secret knows th
 ``k`` of ``c_i`` is the sign of vector ``k`` at ``i`` (Rademacher, +-1). Each contributing owner
 publishes, signed, ``p_j = <v, x_j>`` for each vector and ``b_j = |x_j|_2``; the projection is
 linear, so the exact sum ``x`` has ``<v, x> = sum_j p_j``. One pass computes all ``K``
-projections: the values are added into ``2^K`` buckets by code (float64), and projection ``k`` is
-the signed sum of the buckets; the cost does not grow with ``K``.
+projections: the values are added into ``2^K`` buckets by code (float64, a cached block at a
+time), and projection ``k`` is the signed sum of the buckets; the cost does not grow with ``K``.
+The codes drawn for a shard's publish are kept (2 bytes a value, up to ``KEEP_BYTES``) for the
+check of the same shard after the transfer, which then draws nothing.
 
 The bound. The received sum ``y`` was added in the compression's dtype, ``m - 1`` rounded
 additions per element (unit roundoff ``u``: 2^-11 fp16, 2^-8 bf16, 2^-24 fp32), so the rounding
@@ -52,7 +54,8 @@ from geoshard.trainer.diloco.settings import SUMMABLE_DTYPES
 K = 15
 Z = 10.0
 CHUNK = 1 << 22  # values per piece (a multiple of 4: four 16-bit codes a word): memory stays bounded
-KEEP_BYTES = 256 << 20  # codes kept between a shard's publish and its check, at most (4 bytes a value)
+BLOCK = 1 << 17  # values cast to float64 at a time (1 MB)
+KEEP_BYTES = 256 << 20  # codes kept between a shard's publish and its check, at most (2 bytes a value)
 _MASK = (1 << K) - 1
 
 
@@ -66,13 +69,13 @@ def _seeds(signer: Signer, tag: str, s: int) -> tuple[int, int]:
 
 
 def _draw(seeds: tuple[int, int], numel: int, device: torch.device) -> Iterator[torch.Tensor]:
-    """Each piece's codes (int32 in [0, 2^K), on ``device``), in order; the same bits on any device."""
+    """Each piece's codes (int16 in [0, 2^K), on ``device``), in order; the same bits on any device."""
     g1, g2 = (torch.Generator().manual_seed(x) for x in seeds)
     for start in range(0, numel, CHUNK):
         n = min(CHUNK, numel - start)
         words = torch.empty(-(-n // 4), dtype=torch.int64).random_(generator=g1)
         words ^= torch.empty_like(words).random_(generator=g2)
-        yield (words.to(device).view(torch.int16)[:n].to(torch.int32) & _MASK)
+        yield words.to(device).view(torch.int16)[:n] & _MASK
 
 
 class _Kept:
@@ -88,14 +91,14 @@ class _Kept:
             return self._codes.pop(key, None)
 
     def put(self, key: tuple[tuple[int, int], int, str], codes: list[torch.Tensor]) -> None:
-        size = sum(c.numel() * 4 for c in codes)
+        size = sum(c.numel() * 2 for c in codes)
         if size > KEEP_BYTES:
             return
         with self._lock:
-            held = sum(c.numel() * 4 for cs in self._codes.values() for c in cs)
+            held = sum(c.numel() * 2 for cs in self._codes.values() for c in cs)
             while self._codes and held + size > KEEP_BYTES:  # oldest first: a round that failed before its check
                 old = self._codes.pop(next(iter(self._codes)))
-                held -= sum(c.numel() * 4 for c in old)
+                held -= sum(c.numel() * 2 for c in old)
             self._codes[key] = codes
 
     def __len__(self) -> int:
@@ -125,9 +128,10 @@ def project(signer: Signer, tag: str, s: int, x: torch.Tensor, *, keep: bool = F
     buckets = torch.zeros(1 << K, dtype=torch.float64, device=flat.device)
     square, used = torch.zeros((), dtype=torch.float64, device=flat.device), []
     for start, codes in zip(range(0, flat.numel(), CHUNK), pieces, strict=True):
-        piece = flat[start : start + codes.numel()].to(torch.float64)
-        buckets.index_add_(0, codes, piece)
-        square += torch.dot(piece, piece)
+        for a in range(0, codes.numel(), BLOCK):  # cast a block at a time: it stays in the cache for both uses
+            block = flat[start + a : start + a + BLOCK].to(torch.float64)
+            buckets.index_add_(0, codes[a : a + BLOCK].to(torch.int32), block)
+            square += torch.dot(block, block)
         used.append(codes)
     if keep:
         KEPT.put(key, used)
@@ -165,10 +169,10 @@ def tolerance(published: Sequence[Sequence[float]], compression: str, numel: int
 
 def check(signer: Signer, tag: str, s: int, summed: torch.Tensor, published: Sequence[Sequence[float]], compression: str) -> None:
     """Refused when ``summed`` is not finite or is not the sum the ``published`` projections describe."""
-    bad = int((~torch.isfinite(summed)).sum())
-    if bad:
-        raise Refused("non-finite", f"{bad} of the sum's {summed.numel()} values are NaN or infinite")
     got = project(signer, tag, s, summed)
+    if not math.isfinite(got[K]):  # a sum of squares is not finite exactly when a value is not: no pass of its own
+        bad = int((~torch.isfinite(summed)).sum())
+        raise Refused("non-finite", f"{bad} of the sum's {summed.numel()} values are NaN or infinite")
     tol = tolerance(published, compression, summed.numel(), got[K])
     for i in range(K):
         want = sum(pub[i] for pub in published)
