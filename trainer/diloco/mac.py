@@ -132,8 +132,9 @@ def project(signer: Signer, tag: str, s: int, x: torch.Tensor, *, keep: bool = F
             block = flat[start + a : start + a + BLOCK].to(torch.float64)
             buckets.index_add_(0, codes[a : a + BLOCK].to(torch.int32), block)
             square += torch.dot(block, block)
-        used.append(codes)
-    if keep:
+        if keep and len(used) * CHUNK * 2 < KEEP_BYTES:  # past the bound they would not be kept anyway
+            used.append(codes)
+    if keep and len(used) * CHUNK >= flat.numel():
         KEPT.put(key, used)
     projections = _signs(flat.device).T @ buckets
     return [*(float(p) for p in projections.cpu()), math.sqrt(float(square))]
