@@ -126,7 +126,8 @@ def project(signer: Signer, tag: str, s: int, x: torch.Tensor, *, keep: bool = F
     kept = KEPT.take(key)
     pieces = iter(kept) if kept is not None else _draw(seeds, flat.numel(), flat.device)
     buckets = torch.zeros(1 << K, dtype=torch.float64, device=flat.device)
-    square, used = torch.zeros((), dtype=torch.float64, device=flat.device), []
+    square = torch.zeros((), dtype=torch.float64, device=flat.device)
+    used: list[torch.Tensor] = []
     for start, codes in zip(range(0, flat.numel(), CHUNK), pieces, strict=True):
         for a in range(0, codes.numel(), BLOCK):  # cast a block at a time: it stays in the cache for both uses
             block = flat[start + a : start + a + BLOCK].to(torch.float64)

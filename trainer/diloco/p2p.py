@@ -16,6 +16,7 @@ redone among the survivors as the round's next attempt (``membership``), up to `
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 Corrupt = Callable[[int, int, torch.Tensor], None]  # (round, shard, contribution): tests only
 OK, REFUSED, FAILED = 0, 1, 2  # an attempt's outcome on a rank; the region takes the worst
+FETCH_STEP_S = 0.25  # the MAC projections' reader checks this often whether the exchange failed
 
 
 class Phases:
@@ -224,11 +226,16 @@ class P2PExchange:
         works, sent = start_allreduce(groups, values)
         self._publish(r, attempt, d.name, contributed)
         self.phases.tick("mac_publish")
+        stop = threading.Event()
         with ThreadPoolExecutor(1, thread_name_prefix="mac-fetch") as pool:
             # the members' projections are read while the chunks travel (this thread only waits on gloo meanwhile)
-            fetched = pool.submit(self._published, r, attempt, d)
-            for w in works:
-                w.wait()
+            fetched = pool.submit(self._published, r, attempt, d, stop)
+            try:
+                for w in works:
+                    w.wait()
+            except BaseException:
+                stop.set()  # a failed exchange must not wait for a lost member's projections
+                raise
             self.phases.tick("transfer")
             why = self._check(r, attempt, d, values, fetched.result())
         self.phases.tick("mac_check")
@@ -284,13 +291,18 @@ class P2PExchange:
     def mac_key(self, r: int, attempt: int, name: str, s: int, region: str) -> str:
         return self.kv.key("r", r, attempt, "mac", name, s, region)
 
-    def _published(self, r: int, attempt: int, d: Decision) -> dict[int, list[list[float]] | Refused | str]:
-        """Each owned shard's members' signed projections; Refused, or why they did not arrive."""
+    def _published(self, r: int, attempt: int, d: Decision, stop: threading.Event) -> dict[int, list[list[float]] | Refused | str]:
+        """Each owned shard's members' signed projections; Refused, or why they did not arrive (within
+        ``round_timeout_s``, or before ``stop``: waited for in short steps, so a stop ends it soon)."""
         out: dict[int, list[list[float]] | Refused | str] = {}
+        deadline = time.monotonic() + self.sync.round_timeout_s
         for s in self.layout.mine:
             keys = [self.mac_key(r, attempt, d.name, s, g) for g in d.members]
-            if not self.kv.wait_all(keys, self.sync.round_timeout_s):
-                out[s] = f"shard {s}: the members' projections did not arrive within {self.sync.round_timeout_s:g} s"
+            while not self.kv.wait_all(keys, max(0.001, min(FETCH_STEP_S, deadline - time.monotonic()))):
+                if stop.is_set() or time.monotonic() >= deadline:
+                    out[s] = f"shard {s}: the members' projections did not arrive within {self.sync.round_timeout_s:g} s"
+                    break
+            if s in out:
                 continue
             try:
                 published = []
