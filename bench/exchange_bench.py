@@ -13,7 +13,8 @@ exchange, no warm-up), each timed from a barrier to the last rank's end, of:
 - ``trainer-K`` (``--ppr`` 1 and 2): the trainer's own p2p path (trainer/diloco/sharded.py and
   mac.py): groups reused, K streams per region pair split over the shards, the MAC projections
   published in the store during the transfer and checked after it, then the in-region gather;
-  each phase timed;
+  each phase timed; its groups made once per size, first one after another (the baseline, as
+  the trainer did before), then all at once (as it does), both timed;
 - ``torchft``: torchft 0.2.0 from its own venv (``--torchft-python``): a Lighthouse on us-east-1's
   address, a Manager per region, per round ``start_quorum``, ``allreduce`` (the average) and
   ``should_commit``, each phase timed.
@@ -161,11 +162,15 @@ def _row(res: dict, crossed: dict[str, int], load: float, ppr: int, wan: Rehears
             for r, ph in res["phases_s"].items()
         }
         row["phases_median_s"] = row["phases_s"][REGIONS[0]]
+    if "groups_s" in res:  # trainer-K: its groups made one after another (the baseline), then all at once
+        row["groups_s"] = res["groups_s"]
     return row
 
 
 def _print_row(r: dict) -> None:
     extra = "".join(f"\n    {r['variant']} in {region}: {ph}" for region, ph in r.get("phases_s", {}).items())
+    if "groups_s" in r:
+        extra += f"\n    {r['variant']} groups made: serially {r['groups_s']['serial']} s, at once {r['groups_s']['at_once']} s"
     fill = "-" if r["fill"] is None else f"{r['fill']:.0%}"
     print(
         f"{r['variant']:>10} ppr {r['ppr']} {r['mb']:>6.1f} MB: {r['median_s']:7.2f} s ({len(r['times_s'])} runs), bound "
@@ -196,6 +201,9 @@ def table(res: dict) -> str:
         lines += ["", "phases per round, seconds (medians; first_*: the first round, which forms torchft's quorum and group):"]
         for r in ft:
             lines += [f"- {r['variant']}, {r['ppr']} ranks/region, {r['mb']:g} MB, {region}: {ph}" for region, ph in r["phases_s"].items()]
+            if "groups_s" in r:
+                g = r["groups_s"]
+                lines.append(f"- {r['variant']}, {r['ppr']} ranks/region: groups made serially {g['serial']} s, at once {g['at_once']} s")
     return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ import select
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -46,6 +47,7 @@ class Ctx:
         self.lighthouse: Any = None  # torchft's Lighthouse (rank 0 only)
         self.group_store: Any = None  # the region's own store, which torchft's Manager joins
         self.trainer: Any = None  # trainer-K: (store, layout, groups, region group, signer, calls)
+        self.groups_s: dict[str, float] = {}  # trainer-K: seconds to make its groups, serially and at once
 
 
 def _rendezvous(ctx: Ctx) -> None:
@@ -98,6 +100,37 @@ def exchange_gloo(ctx: Ctx, variant: str, t: torch.Tensor) -> None:
         raise ValueError(f"unknown variant {variant!r}")
 
 
+def trainer_setup(ctx: Ctx, variant: str, t: torch.Tensor) -> None:
+    """``trainer-K``'s groups, once per variant and size (as the trainer makes them once per
+    membership), before any timed exchange."""
+    from geoshard.trainer.diloco.auth import Signer
+    from geoshard.trainer.diloco.groups import Bind, GroupCache
+    from geoshard.trainer.diloco.sharded import Membership, ShardGroups, make_groups
+    from geoshard.trainer.diloco.shards import Layout
+
+    store = dist.distributed_c10d._get_default_store()
+    layout = Layout(t.numel(), ctx.ppr, ctx.ppr, ctx.k)
+    members = Membership(tuple((str(r), ctx.ppr) for r in range(ctx.n)), "bench")
+    bind = Bind(hostname=ctx.args.address)
+    prefix, timeout = f"trainer/{variant}/{t.numel()}", ctx.args.timeout
+    # the baseline: the same groups made one after another (as before), then the trainer's, all at once
+    serial = ShardGroups(store, prefix + "/serial", layout, members, str(ctx.region), _streams(variant), bind, timeout, GroupCache())
+    dist.barrier()
+    t0 = time.perf_counter()
+    for s in layout.mine:
+        for c in range(len(serial.pieces(s))):
+            serial.group(s, c)
+    dist.barrier()
+    t1 = time.perf_counter()
+    groups = ShardGroups(store, prefix, layout, members, str(ctx.region), _streams(variant), bind, timeout, GroupCache())
+    make_groups(groups, layout.mine)
+    dist.barrier()
+    ctx.groups_s = {"groups_serial": t1 - t0, "groups": time.perf_counter() - t1}
+    del serial
+    region = ctx.local[ctx.region] if ctx.ppr > 1 else None
+    ctx.trainer = (store, layout, groups, region, Signer(b"exchange-bench-secret-0123456789abcdef"), [0])
+
+
 def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, list[float]]) -> None:
     """``trainer-K``: the trainer's own p2p path (trainer/diloco/sharded.py and mac.py, as p2p.py
     runs them): its shards' groups made once and reused, each shard in the chunks ``K`` streams per
@@ -105,21 +138,8 @@ def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, 
     the chunks travel, the sum checked against every region's, then the in-region gather. Geoshard
     is imported here only, so the torchft venv never needs it."""
     from geoshard.trainer.diloco import mac
-    from geoshard.trainer.diloco.auth import Signer
-    from geoshard.trainer.diloco.groups import Bind, GroupCache
-    from geoshard.trainer.diloco.sharded import Membership, ShardGroups, gather_in_region, make_groups, start_allreduce
-    from geoshard.trainer.diloco.shards import Layout
+    from geoshard.trainer.diloco.sharded import gather_in_region, start_allreduce
 
-    if ctx.trainer is None:  # once per variant and size, as the trainer does per membership
-        store = dist.distributed_c10d._get_default_store()
-        layout = Layout(t.numel(), ctx.ppr, ctx.ppr, ctx.k)
-        members = Membership(tuple((str(r), ctx.ppr) for r in range(ctx.n)), "bench")
-        bind = Bind(hostname=ctx.args.address)
-        prefix, timeout = f"trainer/{variant}/{t.numel()}", ctx.args.timeout
-        groups = ShardGroups(store, prefix, layout, members, str(ctx.region), _streams(variant), bind, timeout, GroupCache())
-        make_groups(groups, layout.mine)
-        region = ctx.local[ctx.region] if ctx.ppr > 1 else None
-        ctx.trainer = (store, layout, groups, region, Signer(b"exchange-bench-secret-0123456789abcdef"), [0])
     store, layout, groups, region, signer, count = ctx.trainer
     count[0] += 1
     tag = f"{variant}/{t.numel()}/{count[0]}"
@@ -128,15 +148,24 @@ def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, 
     contributed = {s: v.clone() for s, v in values.items()}
     works, _ = start_allreduce(groups, values)
     for s, v in contributed.items():
-        store.set(f"trainer/mac/{tag}/{s}/{ctx.region}", mac.encode_projections(mac.project(signer, tag, s, v)))
+        store.set(f"trainer/mac/{tag}/{s}/{ctx.region}", mac.encode_projections(mac.project(signer, tag, s, v, keep=True)))
     t1 = time.perf_counter()
-    _wait_all(works)
-    t2 = time.perf_counter()
+
+    def fetch() -> dict[int, list[list[float]]]:  # as p2p.py: the projections read while the chunks travel
+        out = {}
+        for s in values:
+            keys = [f"trainer/mac/{tag}/{s}/{r}" for r in range(ctx.n)]
+            store.wait(keys, ctx.timeout)
+            out[s] = [mac.decode_projections(x) for x in store.multi_get(keys)]
+        return out
+
+    with ThreadPoolExecutor(1) as pool:
+        fetched = pool.submit(fetch)
+        _wait_all(works)
+        t2 = time.perf_counter()
+        published = fetched.result()
     for s, v in values.items():
-        keys = [f"trainer/mac/{tag}/{s}/{r}" for r in range(ctx.n)]
-        store.wait(keys, ctx.timeout)
-        published = [mac.decode_projections(x) for x in store.multi_get(keys)]
-        mac.check(signer, tag, s, v, published, "fp16")
+        mac.check(signer, tag, s, v, published[s], "fp16")
     t3 = time.perf_counter()
     if region is not None:
         full, _ = gather_in_region(region, layout, {s: v.float() for s, v in values.items()})
@@ -231,7 +260,7 @@ def measure(ctx: Ctx, variant: str, nbytes: int, warmup: int, repeats: int) -> d
             exchange_torchft(ctx, variant, t, phases)
     elif variant.startswith("trainer-"):
         expect = SUM[ctx.n]
-        ctx.trainer = None
+        trainer_setup(ctx, variant, t)  # not timed: at sizes run once (no warm-up) it would be
 
         def run() -> None:
             exchange_trainer(ctx, variant, t, phases)
@@ -266,6 +295,10 @@ def measure(ctx: Ctx, variant: str, nbytes: int, warmup: int, repeats: int) -> d
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the exchange ends when its last rank has it
     out: dict[str, Any] = {"variant": variant, "bytes": numel * 2, "times_s": [round(x, 4) for x in slowest.tolist()]}
+    if variant.startswith("trainer-"):  # the slowest rank's, from barrier to barrier
+        made = torch.tensor([ctx.groups_s["groups_serial"], ctx.groups_s["groups"]], dtype=torch.float64)
+        dist.all_reduce(made, op=dist.ReduceOp.MAX)
+        out["groups_s"] = {"serial": round(float(made[0]), 3), "at_once": round(float(made[1]), 3)}
     if phases:  # every rank's, by region (torchft: one rank per region); tensors, as torchft's venv has no numpy
         names = sorted(phases)
         mine = torch.tensor([first.get(k, float("nan")) for k in names] + [x for k in names for x in phases[k]], dtype=torch.float64)

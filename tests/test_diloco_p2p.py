@@ -4,14 +4,18 @@ membership and rendezvous only. Real processes on 127.0.0.1 around a TCPStore th
 
 from __future__ import annotations
 
+import datetime
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from geoshard.trainer.diloco import host_store
+from geoshard.trainer.diloco.groups import CountingStore
 from geoshard.trainer.diloco.ring import ring_order
 from geoshard.trainer.diloco.shards import Layout, owned, shard_count, span
 from geoshard.wan.matrix import parse_matrix
@@ -401,3 +405,18 @@ def test_a_region_that_comes_after_round_0_closed_takes_the_outer_state_in_its_f
         if r["round"] in us:  # with the others: the same parameters from the round it took the state on
             assert r["digest"] == us[r["round"]]["digest"] and "ap-southeast-1" in us[r["round"]]["regions"], (r, us[r["round"]])
     assert all(r["store_bytes"] < 1_000_000 for name in ("us-east-1-0", "ap-southeast-1-0") for r in records(tmp_path, name))
+
+
+def test_a_store_clone_is_a_client_of_its_own_and_counts_into_its_parent() -> None:
+    """Groups made at once each rendezvous on a clone: a blocking wait on one client must not hold
+    another's keys, and the round's store bytes still add up on the store the exchange counts."""
+    server = host_store("127.0.0.1", timeout_s=10)
+    store = CountingStore(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=10)))
+    clone = store.clone()
+    waiting = threading.Thread(target=lambda: store.wait(["k"], datetime.timedelta(seconds=10)))
+    waiting.start()  # the parent's client blocks in a wait ...
+    clone.set("k", b"value")  # ... which only another client's set can end
+    waiting.join(timeout=10)
+    assert not waiting.is_alive()
+    assert store.get("k") == b"value"
+    assert clone.carried == 0 and store.carried == len("k") + len(b"value") + len("k") + len("k") + len(b"value")

@@ -46,3 +46,21 @@ def test_plans_group_variants_by_launch_and_run_large_sizes_once() -> None:
         ["streams-8", 360_000_000, 0, 1],
     ]
     assert {v for v, *_ in plans[1][2]} == {"sharded-4"}
+
+
+def test_a_trainer_row_carries_its_groups_times_into_the_table() -> None:
+    """trainer-K's groups, made serially (the baseline) and at once, are reported beside its phases."""
+    args = argparse.Namespace(matrix_obj=load_matrix(ROOT / "bench" / "wan-matrix.toml"))
+    res = {
+        "variant": "trainer-8",
+        "bytes": 22_000_000,
+        "times_s": [3.5, 3.7],
+        "phases_s": {"0": {"first_transfer": 3.0, "transfer": [2.5, 2.7]}},
+        "groups_s": {"serial": 23.0, "at_once": 3.2},
+    }
+    crossed = {"us-east-1>ap-southeast-1": 2 * 29_300_000}
+    row = exchange_bench._row(res, crossed, 2.0, 1, None, args)  # type: ignore[arg-type]
+    assert row["groups_s"] == {"serial": 23.0, "at_once": 3.2}
+    assert row["median_s"] == pytest.approx(3.6) and row["max_link_B"] == pytest.approx(1.332)
+    text = exchange_bench.table({"slowest": "x", "ceiling": {"packets_per_s": 1, "mb_per_s": 1.0}, "rows": [row]})
+    assert "- trainer-8, 1 ranks/region: groups made serially 23.0 s, at once 3.2 s" in text.splitlines()

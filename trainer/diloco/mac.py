@@ -1,67 +1,144 @@
 """A linear MAC over the all-reduced pseudo-gradients: gloo's connections are not authenticated,
 so each owner checks the sum it received against values signed in the store.
 
-Each contributing owner projects its (decoded) shard ``x_j`` onto ``K`` secret vectors ``v``
-(standard normal, drawn in float32, applied in float64, from a ``torch.Generator`` seeded by an
-HMAC of the job's secret, the round and its attempt, the shard and the vector: nobody without the
-secret knows them) and
-publishes, signed, ``p_j = <v, x_j>`` for each vector and ``b_j = |x_j|_2``. The projection is
-linear, so the exact sum ``x`` has ``<v, x> = sum_j p_j``.
+The vectors. Each value ``i`` of shard ``s`` gets a secret ``K``-bit code ``c_i`` (``K = 15``):
+16-bit lanes of 64-bit words, the XOR of two ``torch.Generator`` streams (mt19937, on the CPU
+whatever the shard's device: the same bits in every region), each seeded with 32 bits of an HMAC
+of the job's secret, the round and its attempt, and the shard (a CPU generator keeps only 32 bits
+of its seed, hence two: 64 secret bits; nobody without the job's secret knows the codes). Bit
+``k`` of ``c_i`` is the sign of vector ``k`` at ``i`` (Rademacher, +-1). Each contributing owner
+publishes, signed, ``p_j = <v, x_j>`` for each vector and ``b_j = |x_j|_2``; the projection is
+linear, so the exact sum ``x`` has ``<v, x> = sum_j p_j``. One pass computes all ``K``
+projections: the values are added into ``2^K`` buckets by code (float64, a cached block at a
+time), and projection ``k`` is the signed sum of the buckets; the cost does not grow with ``K``.
+The codes drawn for a shard's publish are kept (2 bytes a value, up to ``KEEP_BYTES``) for the
+check of the same shard after the transfer, which then draws nothing.
 
 The bound. The received sum ``y`` was added in the compression's dtype, ``m - 1`` rounded
 additions per element (unit roundoff ``u``: 2^-11 fp16, 2^-8 bf16, 2^-24 fp32), so the rounding
-error ``e = y - x`` has ``|e_i| <= (m-1) u sum_j |x_ij|`` (to first order) and
-``|e|_2 <= (m-1) u sum_j b_j``. ``e`` does not depend on the secret ``v``, so ``<v, e>`` is normal
-with deviation ``|e|_2``: the check refuses when, for any vector,
+error ``e = y - x`` has ``|e|_2 <= (m-1) u sum_j b_j`` (to first order). ``e`` does not depend on
+the secret signs, so by Hoeffding ``P(|<v, e>| > t) <= 2 exp(-t^2 / (2 |e|_2^2))``. The check
+refuses when, for any vector,
 
-    |<v, y> - sum_j p_j| > Z (m-1) u sum_j b_j,     Z = 10
+    |<v, y> - sum_j p_j| > tol = Z (m-1) u sum_j b_j + F,     Z = 10
 
-which an honest sum does with probability below 2e-23 per vector (the float64 projections' own
-error is below 2^-40 of the terms). A change ``d`` made to the sum on the wire passes one vector
-with probability about ``0.8 tol / |d|_2`` when ``|d|_2`` is well above ``tol``, the ``K`` vectors
-independently: with fp16 and 3 regions a change of 3% of the pseudo-gradient's norm is caught
-with probability above 1 - 1e-4, a larger one more surely; a value that is not finite always.
+(``F`` bounds the float64 projections' own rounding, ``(2n / 2^K + 80 + 2^K) 2^-52 sqrt(n)
+(sum_j b_j + |y|_2)`` for a shard of ``n`` values: below 2^-23 of the norms up to 2^26 values,
+against fp16's 2^-10; no bucket gets more than ``2n / 2^K + 80`` values but with probability
+below 7e-21, by Chernoff): an honest sum fails it with probability below ``2 e^-50 = 3.9e-22``
+per vector, ``5.8e-21`` for the 15, 1.3e-20 with the buckets' bound.
+
+A change ``d`` made on the wire (``y = x + e + d``) passes a vector only if ``|<v, e + d>| <=
+tol``. If some coordinate has ``|e_i + d_i| > tol``, flipping that sign moves the projection by
+more than ``2 tol``, so at most one of the ``2^K`` equally likely sign patterns at ``i`` passes all
+``K`` vectors: missed with probability at most ``2^-15 = 3.1e-5``, whatever the change's shape
+(sparse, paired, structured). If every coordinate is below ``tol``, ``<v, d>`` is close to normal
+with deviation ``|d|_2`` (Berry-Esseen): a vector passes with probability at most about ``2 tol /
+|d|_2``, so a change of norm ``4 tol`` or more is missed with probability at most about ``2^-15``,
+a larger one less. A value that is not finite is refused always. The guarantee rests on the
+generator's bits looking independent to whoever lacks the seeds, as before (mt19937 is not a
+cryptographic generator; the seeds change every round, attempt and shard).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from geoshard.trainer.diloco.auth import Refused, Signer
 from geoshard.trainer.diloco.settings import SUMMABLE_DTYPES
 
-K = 4
+K = 15
 Z = 10.0
-CHUNK = 1 << 22  # values per piece of a secret vector: memory stays bounded for any shard
+CHUNK = 1 << 22  # values per piece (a multiple of 4: four 16-bit codes a word): memory stays bounded
+BLOCK = 1 << 19  # values cast to float64 at a time (4 MB: 1 << 17, 19 and 22 measured 0.092, 0.066, 0.073 s per 11M)
+KEEP_BYTES = 256 << 20  # codes kept between a shard's publish and its check, at most (2 bytes a value)
+_MASK = (1 << K) - 1
 
 
 def unit_roundoff(compression: str) -> float:
     return float(torch.finfo(SUMMABLE_DTYPES[compression]).eps) / 2
 
 
-def _seed(signer: Signer, tag: str, s: int, i: int) -> int:
-    return int(signer.mac(f"mac-vector/{tag}/{s}/{i}", b"")[:15], 16)
+def _seeds(signer: Signer, tag: str, s: int) -> tuple[int, int]:
+    h = signer.mac(f"mac-codes/{tag}/{s}", b"")
+    return int(h[:8], 16), int(h[8:16], 16)
 
 
-def project(signer: Signer, tag: str, s: int, x: torch.Tensor) -> list[float]:
-    """``[p_1, ..., p_K, b]`` of shard ``s``'s values ``x`` (any float dtype).
+def _draw(seeds: tuple[int, int], numel: int, device: torch.device) -> Iterator[torch.Tensor]:
+    """Each piece's codes (int16 in [0, 2^K), on ``device``), in order; the same bits on any device."""
+    g1, g2 = (torch.Generator().manual_seed(x) for x in seeds)
+    for start in range(0, numel, CHUNK):
+        n = min(CHUNK, numel - start)
+        words = torch.empty(-(-n // 4), dtype=torch.int64).random_(generator=g1)
+        words ^= torch.empty_like(words).random_(generator=g2)
+        yield words.to(device).view(torch.int16)[:n] & _MASK
 
-    The K vectors are drawn in float32 (a third of float64's cost; products of float32 and any of
-    the summable dtypes are exact in float64) and applied together, one matrix-vector product per
-    piece in float64, each piece of ``x`` cast once."""
+
+class _Kept:
+    """Codes drawn for a publish, kept for the check of the same shard (up to ``KEEP_BYTES`` in
+    all; above, the check draws them again)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._codes: dict[tuple[tuple[int, int], int, str], list[torch.Tensor]] = {}
+
+    def take(self, key: tuple[tuple[int, int], int, str]) -> list[torch.Tensor] | None:
+        with self._lock:
+            return self._codes.pop(key, None)
+
+    def put(self, key: tuple[tuple[int, int], int, str], codes: list[torch.Tensor]) -> None:
+        size = sum(c.numel() * 2 for c in codes)
+        if size > KEEP_BYTES:
+            return
+        with self._lock:
+            held = sum(c.numel() * 2 for cs in self._codes.values() for c in cs)
+            while self._codes and held + size > KEEP_BYTES:  # oldest first: a round that failed before its check
+                old = self._codes.pop(next(iter(self._codes)))
+                held -= sum(c.numel() * 2 for c in old)
+            self._codes[key] = codes
+
+    def __len__(self) -> int:
+        return len(self._codes)
+
+
+KEPT = _Kept()
+
+
+def _signs(device: torch.device) -> torch.Tensor:
+    """``2^K x K``: row ``c`` holds the K vectors' signs for code ``c`` (+1 for bit 0, -1 for bit 1)."""
+    c = torch.arange(1 << K, dtype=torch.int64, device=device).unsqueeze(1)
+    bits = (c >> torch.arange(K, dtype=torch.int64, device=device)) & 1
+    return (1 - 2 * bits).to(torch.float64)
+
+
+def project(signer: Signer, tag: str, s: int, x: torch.Tensor, *, keep: bool = False) -> list[float]:
+    """``[p_1, ..., p_K, b]`` of shard ``s``'s values ``x`` (any float dtype, any device).
+
+    ``keep``: hold the codes for the next ``project`` of the same shard and size (the check after
+    a publish), within ``KEEP_BYTES``; a call that finds them kept uses them and drops them."""
     flat = x.reshape(-1)
-    gens = [torch.Generator().manual_seed(_seed(signer, tag, s, i)) for i in range(K)]
-    acc = torch.zeros(K, dtype=torch.float64)
-    for start in range(0, flat.numel(), CHUNK):
-        # on the CPU whatever the shard's device: the vectors are drawn there (the same bits in
-        # every region), and a CUDA shard met them as a device mismatch (seen on an H200 node)
-        piece = flat[start : start + CHUNK].to("cpu", torch.float64)
-        v = torch.stack([torch.randn(piece.numel(), generator=g, dtype=torch.float32) for g in gens])
-        acc += torch.mv(v.double(), piece)
-    return [*(float(p) for p in acc), float(flat.double().norm())]
+    seeds = _seeds(signer, tag, s)
+    key = (seeds, flat.numel(), str(flat.device))
+    kept = KEPT.take(key)
+    pieces = iter(kept) if kept is not None else _draw(seeds, flat.numel(), flat.device)
+    buckets = torch.zeros(1 << K, dtype=torch.float64, device=flat.device)
+    square = torch.zeros((), dtype=torch.float64, device=flat.device)
+    used: list[torch.Tensor] = []
+    for start, codes in zip(range(0, flat.numel(), CHUNK), pieces, strict=True):
+        for a in range(0, codes.numel(), BLOCK):  # cast a block at a time: it stays in the cache for both uses
+            block = flat[start + a : start + a + BLOCK].to(torch.float64)
+            buckets.index_add_(0, codes[a : a + BLOCK].to(torch.int32), block)
+            square += torch.dot(block, block)
+        if keep and len(used) * CHUNK * 2 < KEEP_BYTES:  # past the bound they would not be kept anyway
+            used.append(codes)
+    if keep and len(used) * CHUNK >= flat.numel():
+        KEPT.put(key, used)
+    projections = _signs(flat.device).T @ buckets
+    return [*(float(p) for p in projections.cpu()), math.sqrt(float(square))]
 
 
 def encode_projections(values: Sequence[float]) -> str:
@@ -79,17 +156,26 @@ def decode_projections(text: bytes) -> list[float]:
     return values
 
 
-def tolerance(published: Sequence[Sequence[float]], compression: str) -> float:
-    return Z * (len(published) - 1) * unit_roundoff(compression) * sum(pub[K] for pub in published) + 1e-30
+def float_error(numel: int, norms: float) -> float:
+    """A bound on the float64 projections' own rounding for a shard of ``numel`` values whose
+    norms add up to ``norms``: each bucket adds at most ``2 numel / 2^K + 80`` values (but with
+    probability below 7e-21), each projection ``2^K`` buckets, and |x|_1 <= sqrt(numel) |x|_2."""
+    return (2 * numel / (1 << K) + 80 + (1 << K)) * 2.0**-52 * math.sqrt(numel) * norms
+
+
+def tolerance(published: Sequence[Sequence[float]], compression: str, numel: int = 0, received: float = 0.0) -> float:
+    norms = sum(pub[K] for pub in published)
+    rounding = Z * (len(published) - 1) * unit_roundoff(compression) * norms
+    return rounding + float_error(numel, norms + received) + 1e-30
 
 
 def check(signer: Signer, tag: str, s: int, summed: torch.Tensor, published: Sequence[Sequence[float]], compression: str) -> None:
     """Refused when ``summed`` is not finite or is not the sum the ``published`` projections describe."""
-    bad = int((~torch.isfinite(summed)).sum())
-    if bad:
-        raise Refused("non-finite", f"{bad} of the sum's {summed.numel()} values are NaN or infinite")
     got = project(signer, tag, s, summed)
-    tol = tolerance(published, compression)
+    if not math.isfinite(got[K]):  # a sum of squares is not finite exactly when a value is not: no pass of its own
+        bad = int((~torch.isfinite(summed)).sum())
+        raise Refused("non-finite", f"{bad} of the sum's {summed.numel()} values are NaN or infinite")
+    tol = tolerance(published, compression, summed.numel(), got[K])
     for i in range(K):
         want = sum(pub[i] for pub in published)
         if abs(got[i] - want) > tol:

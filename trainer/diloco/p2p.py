@@ -16,8 +16,10 @@ redone among the survivors as the round's next attempt (``membership``), up to `
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -43,6 +45,7 @@ OTHER_REFUSED = "another rank of the region refused its shard"
 
 Corrupt = Callable[[int, int, torch.Tensor], None]  # (round, shard, contribution): tests only
 OK, REFUSED, FAILED = 0, 1, 2  # an attempt's outcome on a rank; the region takes the worst
+FETCH_STEP_S = 0.25  # the MAC projections' reader checks this often whether the exchange failed
 
 
 class Phases:
@@ -290,10 +293,18 @@ class P2PExchange:
         works, sent = start_allreduce(groups, values)
         self._publish(r, attempt, d.name, contributed)
         self.phases.tick("mac_publish")
-        for w in works:
-            w.wait()
-        self.phases.tick("transfer")
-        why = self._check(r, attempt, d, values)
+        stop = threading.Event()
+        with ThreadPoolExecutor(1, thread_name_prefix="mac-fetch") as pool:
+            # the members' projections are read while the chunks travel (this thread only waits on gloo meanwhile)
+            fetched = pool.submit(self._published, r, attempt, d, stop)
+            try:
+                for w in works:
+                    w.wait()
+            except BaseException:
+                stop.set()  # a failed exchange must not wait for a lost member's projections
+                raise
+            self.phases.tick("transfer")
+            why = self._check(r, attempt, d, values, fetched.result())
         self.phases.tick("mac_check")
         if d.fresh:
             sent += self._hand_over(groups, ring, d, self.kv.key("r", r, attempt, "state", d.name))
@@ -304,7 +315,8 @@ class P2PExchange:
         """Each owned shard's signed MAC projections of what this rank contributes."""
         tag = f"{r}/{attempt}/{name}"
         for s, t in contributed.items():
-            self.kv.set(self.mac_key(r, attempt, name, s, self.region), mac.encode_projections(mac.project(self.kv.signer, tag, s, t)))
+            projections = mac.project(self.kv.signer, tag, s, t, keep=True)  # its codes kept for the check
+            self.kv.set(self.mac_key(r, attempt, name, s, self.region), mac.encode_projections(projections))
 
     def _hand_over(self, groups: ShardGroups, ring: Ring, d: Decision, key: str) -> int:
         """Regions that rejoined get the outer state (fp32 parameters and momentum) from the first
@@ -357,20 +369,41 @@ class P2PExchange:
     def mac_key(self, r: int, attempt: int, name: str, s: int, region: str) -> str:
         return self.kv.key("r", r, attempt, "mac", name, s, region)
 
-    def _check(self, r: int, attempt: int, d: Decision, summed: dict[int, torch.Tensor]) -> str:
-        """Each owned shard's sum against the members' signed projections; why not, or ''."""
-        for s, t in summed.items():
+    def _published(self, r: int, attempt: int, d: Decision, stop: threading.Event) -> dict[int, list[list[float]] | Refused | str]:
+        """Each owned shard's members' signed projections; Refused, or why they did not arrive (within
+        ``round_timeout_s``, or before ``stop``: waited for in short steps, so a stop ends it soon)."""
+        out: dict[int, list[list[float]] | Refused | str] = {}
+        deadline = time.monotonic() + self.sync.round_timeout_s
+        for s in self.layout.mine:
             keys = [self.mac_key(r, attempt, d.name, s, g) for g in d.members]
-            if not self.kv.wait_all(keys, self.sync.round_timeout_s):
-                return f"shard {s}: the members' projections did not arrive within {self.sync.round_timeout_s:g} s"
+            while not self.kv.wait_all(keys, max(0.001, min(FETCH_STEP_S, deadline - time.monotonic()))):
+                if stop.is_set() or time.monotonic() >= deadline:
+                    out[s] = f"shard {s}: the members' projections did not arrive within {self.sync.round_timeout_s:g} s"
+                    break
+            if s in out:
+                continue
             try:
                 published = []
                 for key, value in zip(keys, self.kv.open_many(keys), strict=True):
                     if value is None:
                         raise Refused("unauthenticated", f"{key} is not signed by the job")
                     published.append(mac.decode_projections(value))
-                mac.check(self.kv.signer, f"{r}/{attempt}/{d.name}", s, t, published, self.sync.compression)
+                out[s] = published
             except Refused as e:
-                self.kv.signer.refuse(keys[d.members.index(self.region)], e, log_it=False)
+                out[s] = e
+        return out
+
+    def _check(self, r: int, attempt: int, d: Decision, summed: dict[int, torch.Tensor], published: dict) -> str:
+        """Each owned shard's sum against the members' signed projections (``_published``); why not, or ''."""
+        for s, t in summed.items():
+            pub = published[s]
+            if isinstance(pub, str):
+                return pub
+            try:
+                if isinstance(pub, Refused):
+                    raise pub
+                mac.check(self.kv.signer, f"{r}/{attempt}/{d.name}", s, t, pub, self.sync.compression)
+            except Refused as e:
+                self.kv.signer.refuse(self.mac_key(r, attempt, d.name, s, self.region), e, log_it=False)
                 return f"shard {s}: {e.kind}: {e.reason}"
         return ""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -78,9 +79,19 @@ class ShardGroups:
         self._cache = cache
 
     def group(self, s: int, c: int) -> Any:
+        return self._cache.get((self.mship.name, s, c), lambda: self._make(s, c))
+
+    def _make(self, s: int, c: int) -> Any:
+        """One group, on a store client of its own (``store.clone()``): groups are made at once,
+        and one client's blocking wait would hold every other group's rendezvous behind it."""
         store, prefix, rank, size, bind, timeout_s = self._args
-        key = (self.mship.name, s, c)
-        return self._cache.get(key, lambda: gloo_group(store, f"{prefix}/x/{self.mship.name}/s{s}/c{c}/", rank, size, bind, timeout_s))
+        client = store.clone() if hasattr(store, "clone") else store
+        return gloo_group(client, f"{prefix}/x/{self.mship.name}/s{s}/c{c}/", rank, size, bind, timeout_s)
+
+    def make_all(self, shards: Sequence[int]) -> None:
+        """Every group of ``shards``' chunks not made yet, all at once (``GroupCache.make_all``)."""
+        wanted = [((self.mship.name, s, c), partial(self._make, s, c)) for s in sorted(shards) for c in range(len(self.pieces(s)))]
+        self._cache.make_all(wanted)
 
     def pieces(self, s: int) -> list[tuple[int, int]]:
         """Shard ``s``'s chunks, relative to the shard."""
@@ -98,11 +109,10 @@ def allreduce_shards(groups: ShardGroups, values: dict[int, torch.Tensor]) -> tu
 
 
 def make_groups(groups: ShardGroups, shards: Sequence[int]) -> None:
-    """Make (or find in the cache) every group of ``shards``' chunks, in the order all ranks use."""
+    """Make (or find in the cache) every group of ``shards``' chunks, all at once: each group meets
+    under its own prefix, so no order between ranks is needed."""
     if len(groups.mship.members) > 1:
-        for s in sorted(shards):
-            for c in range(len(groups.pieces(s))):
-                groups.group(s, c)
+        groups.make_all(shards)
 
 
 def start_allreduce(groups: ShardGroups, values: dict[int, torch.Tensor]) -> tuple[list[Any], int]:
