@@ -185,6 +185,7 @@ def run_one(spec: Spec, wan: Any, net: Any, endpoints: dict[str, str], env: dict
         outer_steps=spec.outer_steps,
         outer_overlap=spec.overlap,
         outer_compression=spec.outer_compression,
+        outer_transport=spec.outer_transport,
         outer_timeout=300.0,
         step_time=args.step_time,
         backend="gloo",

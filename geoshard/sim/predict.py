@@ -123,7 +123,12 @@ def predict(cfg: SimConfig) -> Prediction:
     skew = outer.startup_skew_s([x.time_to_first_batch_s for x in loaders], cfg)
     round_wait = outer.mean_round_wait_s(rnd.seconds, cfg, step, skew) if rounds else 0.0
     first = max(x.time_to_first_batch_s for x in loaders)
-    wall = first + cfg.steps * step + rounds * round_wait
+    # Under DiLoCo the first round's wait holds the spread of the regions' first batches (``skew``):
+    # a region that started early waits it there, so its wall runs from its own first batch, the
+    # earliest; counting the latest first batch as well would count the spread twice. (Flat and
+    # hierarchical wait the spread in the first step's all-reduce: their wall runs from the latest.)
+    start = min(x.time_to_first_batch_s for x in loaders) if rounds else first
+    wall = start + cfg.steps * step + rounds * round_wait
     # report.json's IO wait share after the first batch is over the wall after it, rounds' waits included
     after = step + rounds * round_wait / cfg.steps
     utilization = min(1.0, cfg.steps * compute / wall) if wall > 0 else 0.0
