@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from test_diloco_train import EU, GEOSHARD, US, local_plan
 
 FLAGS = ("--batch-size", "16", "--num-workers", "1", "--backend", "gloo", "--sync", "diloco", "--outer-steps", "5")
@@ -55,3 +56,39 @@ def test_diloco_resume_with_every_regions_checkpoints_goes_on(tmp_path: Path) ->
         join = [x for x in recs if x["event"] == "join"][-1]
         assert join["step"] == 10 and join["round"] == 0 and join["created"] == (region == US), join
         assert join["transport"] == "p2p" and 0 < join["store_bytes"] < 1_000_000, join
+
+
+@pytest.mark.slow
+def test_a_p2p_job_resumed_on_other_rank_counts_reshards_round_0_and_its_regions_stay_together(tmp_path: Path) -> None:
+    """Saved on us-east-1:2, eu-west-1:1, resumed on us-east-1:1, eu-west-1:2: round 0 takes
+    us-east-1's checkpointed parameters peer to peer cut by the new layout (each eu-west-1 rank
+    its half), and both regions hold the same parameters after every later round."""
+    plan = local_plan(tmp_path, {US: 1, EU: 1}, samples=1200)
+    out = tmp_path / "run"
+    argv = [GEOSHARD, "train", "--plan", str(plan), "--out", str(out), *FLAGS, "--checkpoint-every", "5"]
+    before = [*argv, "--regions", f"{US}:2,{EU}:1", "--steps", "10"]
+    first = subprocess.run(before, capture_output=True, text=True, timeout=400, check=False)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = [*argv, "--regions", f"{US}:1,{EU}:2", "--steps", "20", "--resume"]
+    r = subprocess.run(again, capture_output=True, text=True, timeout=400, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = (out / "logs" / "stderr.log").read_text()
+    assert f"{US}: epoch 0 resumes on 1 rank(s) of the region (saved on 2)" in log
+    assert f"{EU}: epoch 0 resumes on 2 rank(s) of the region (saved on 1)" in log
+    recs = {g: [json.loads(x) for x in (out / f"rounds-{g}.jsonl").read_text().splitlines()] for g in (US, EU)}
+    joins = {g: [x for x in recs[g] if x["event"] == "join"] for g in (US, EU)}
+    assert [len(joins[g]) for g in (US, EU)] == [2, 2], joins
+    for g in (US, EU):
+        join = joins[g][1]
+        assert (join["round"], join["step"], join["created"], join["transport"]) == (0, 10, g == US, "p2p"), join
+        assert 0 < join["store_bytes"] < 1_000_000, join
+        later = [x for x in recs[g] if x["event"] == "round" and x["job"] == join["job"]]
+        assert [x["round"] for x in later] == [1, 2], later
+        assert all(x["regions"] == [US, EU] and not x["adopted"] and x["steps_lost"] == 0 for x in later), later
+        assert all(x["store_bytes"] < 1_000_000 for x in later), later
+    # eu-west-1's leader took its shard of the fp32 parameters: all of them on one rank, half on two
+    assert joins[EU][0]["bytes_read"] > 0 and joins[EU][1]["bytes_read"] * 2 == joins[EU][0]["bytes_read"], joins[EU]
+    assert joins[US][1]["bytes_read"] == 0
+    for step in (15, 20):  # checkpoints written at the rounds: the regions' parameters are the same
+        us, eu = (torch.load(out / "checkpoints" / g / f"ckpt-{step:09d}.pt", weights_only=False)["model"] for g in (US, EU))
+        assert list(us) == list(eu) and all(torch.equal(us[k], eu[k]) for k in us), step
