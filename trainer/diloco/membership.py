@@ -72,22 +72,11 @@ class Membership:
         self.kv.set(self._key(r, attempt, "ready", self.region), "fresh" if fresh else "1")
         entries = self.roster.entries(self.regions)  # no `latest`: nothing is published through the store
         gone = Roster.gone(entries)
-        closed = self._closed(r, attempt) if self.kv.store.check([self.members_key(r, attempt)]) else None
-        if closed is None:
-            if attempt == 0:
-                expected, wait_s = Roster.expected(entries, r), self.timeout_s
-            else:
-                expected, wait_s = [g for g in previous if g not in gone], REDO_WAIT_S
-            ready, left = self._await(r, attempt, expected, wait_s)
-            gone |= left
-            if self.kv.store.add(self._key(r, attempt, "close"), 1) == 1:
-                closed = self._close(r, attempt, [g for g in expected if g not in left], ready, entries)
-            elif self.kv.wait_all([self.members_key(r, attempt)], self.timeout_s):
-                closed = self._closed(r, attempt)
-        if closed is None:  # not closed within the wait, or its members refused
-            return Decision((), f"{r}.{attempt}", False, frozenset(gone), ())
-        members, name, rejoined = closed
-        return Decision(members, name, self.region in members, frozenset(gone), rejoined)
+        if attempt == 0:
+            expected, wait_s = Roster.expected(entries, r), self.timeout_s
+        else:
+            expected, wait_s = [g for g in previous if g not in gone], REDO_WAIT_S
+        return self._settle(r, attempt, expected, wait_s, self.timeout_s, entries, gone)
 
     def decide_first(self, source: str, join_timeout_s: float) -> Decision:
         """Round 0 peer to peer (a fresh or wholly resumed job): which regions take ``source``'s
@@ -102,17 +91,25 @@ class Membership:
         self.kv.set(self._key(0, 0, "ready", self.region), "1" if self.region == source else "fresh")
         entries = self.roster.entries(self.regions)  # no `latest`: nothing is published through the store
         gone = Roster.gone(entries)
-        closed = self._closed(0, 0) if self.kv.store.check([self.members_key(0, 0)]) else None
+        expected = [g for g in self.regions if g not in gone]
+        return self._settle(0, 0, expected, join_timeout_s, join_timeout_s, entries, gone)
+
+    def _settle(
+        self, r: int, attempt: int, expected: list[str], wait_s: float, close_wait_s: float, entries: dict[str, str], gone: set[str]
+    ) -> Decision:
+        """The attempt's decision once this leader's ready key is set: the closed attempt if it is
+        (read once), else up to ``wait_s`` for the ``expected`` regions, then close it (the first
+        leader to come) or wait up to ``close_wait_s`` for whoever closes it."""
+        closed = self._closed(r, attempt) if self.kv.store.check([self.members_key(r, attempt)]) else None
         if closed is None:
-            expected = [g for g in self.regions if g not in gone]
-            ready, left = self._await(0, 0, expected, join_timeout_s)
+            ready, left = self._await(r, attempt, expected, wait_s)
             gone |= left
-            if self.kv.store.add(self._key(0, 0, "close"), 1) == 1:
-                closed = self._close(0, 0, [g for g in expected if g not in left], ready, entries)
-            elif self.kv.wait_all([self.members_key(0, 0)], join_timeout_s):
-                closed = self._closed(0, 0)
-        if closed is None:
-            return Decision((), "0.0", False, frozenset(gone), ())
+            if self.kv.store.add(self._key(r, attempt, "close"), 1) == 1:
+                closed = self._close(r, attempt, [g for g in expected if g not in left], ready, entries)
+            elif self.kv.wait_all([self.members_key(r, attempt)], close_wait_s):
+                closed = self._closed(r, attempt)
+        if closed is None:  # not closed within the wait, or its members refused
+            return Decision((), f"{r}.{attempt}", False, frozenset(gone), ())
         members, name, rejoined = closed
         return Decision(members, name, self.region in members, frozenset(gone), rejoined)
 

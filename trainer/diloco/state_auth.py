@@ -34,7 +34,7 @@ def check(kv: KV, key: str, pieces: Sequence[torch.Tensor], timeout_s: float) ->
     counted by the signer)."""
     if not kv.wait_all([key], timeout_s):
         return f"the source's signed digests ({key}) did not arrive within {timeout_s:g} s"
-    value = kv.get(key)
+    (value,) = kv.open_many([key])  # it exists: one round trip, not get's check and get
     if value is None:
         return f"{key} is not signed by the job"
     macs = value.decode("ascii", errors="replace").split()
