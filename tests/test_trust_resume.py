@@ -13,6 +13,9 @@ import pytest
 import torch
 from test_diloco_train import EU, GEOSHARD, US, local_plan
 
+from geoshard.trainer.diloco.auth import Refused
+from geoshard.trainer.diloco.resume import checked_momentum
+
 FLAGS = ("--batch-size", "16", "--num-workers", "1", "--backend", "gloo", "--sync", "diloco", "--outer-steps", "5")
 
 
@@ -86,9 +89,57 @@ def test_a_p2p_job_resumed_on_other_rank_counts_reshards_round_0_and_its_regions
         assert [x["round"] for x in later] == [1, 2], later
         assert all(x["regions"] == [US, EU] and not x["adopted"] and x["steps_lost"] == 0 for x in later), later
         assert all(x["store_bytes"] < 1_000_000 for x in later), later
-    # eu-west-1's leader took its shard of the fp32 parameters: all of them on one rank, half on two
-    assert joins[EU][0]["bytes_read"] > 0 and joins[EU][1]["bytes_read"] * 2 == joins[EU][0]["bytes_read"], joins[EU]
+    # eu-west-1's leader took its shard of the fp32 state: a fresh job's parameters on its one rank
+    # (4 bytes each), then on resume half of the parameters and half of the outer momentum on two
+    assert joins[EU][0]["bytes_read"] > 0 and joins[EU][1]["bytes_read"] == joins[EU][0]["bytes_read"], joins[EU]
     assert joins[US][1]["bytes_read"] == 0
     for step in (15, 20):  # checkpoints written at the rounds: the regions' parameters are the same
         us, eu = (torch.load(out / "checkpoints" / g / f"ckpt-{step:09d}.pt", weights_only=False)["model"] for g in (US, EU))
         assert list(us) == list(eu) and all(torch.equal(us[k], eu[k]) for k in us), step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("transport", "regions"), [("p2p", f"{US}:2,{EU}:1"), ("store", f"{US}:1,{EU}:1")])
+def test_a_whole_job_resumed_at_a_round_continues_exactly_as_if_it_had_never_stopped(transport: str, regions: str, tmp_path: Path) -> None:
+    """15 steps straight, against 10 steps, every region stopped, and ``--resume`` to 15 (H=5, a
+    checkpoint at each round): the same parameters and outer momentum, bit for bit. The checkpoint
+    keeps the outer momentum (under p2p gathered from its owners) and round 0 hands the first
+    region's to every region; before, it started from zero and the runs parted at the next round."""
+    plan = local_plan(tmp_path, {US: 1, EU: 1}, samples=1200)
+    argv = [GEOSHARD, "train", "--plan", str(plan), "--regions", regions, *FLAGS, "--checkpoint-every", "5", "--outer-transport", transport]
+
+    def run(out: Path, *args: str) -> None:
+        done = subprocess.run([*argv, "--out", str(out), *args], capture_output=True, text=True, timeout=400, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    run(tmp_path / "straight", "--steps", "15")
+    run(tmp_path / "stopped", "--steps", "10")
+    run(tmp_path / "stopped", "--steps", "15", "--resume")
+    for g in (US, EU):
+        a, b = (torch.load(tmp_path / r / "checkpoints" / g / "ckpt-000000015.pt", weights_only=True) for r in ("straight", "stopped"))
+        assert a["model"].keys() == b["model"].keys()
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), g
+        momentum = a["outer"]["momentum"]
+        assert momentum is not None and float(momentum.abs().sum()) > 0 and torch.equal(momentum, b["outer"]["momentum"]), g
+        resumed = torch.load(tmp_path / "stopped" / "checkpoints" / g / "ckpt-000000010.pt", weights_only=True)
+        assert not torch.equal(resumed["outer"]["momentum"], momentum)  # it moved on from the resumed one
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        (torch.zeros(5), "malformed: the outer momentum must be float32 of shape (4,), got torch.float32 of shape (5,)"),
+        (
+            torch.zeros(4, dtype=torch.float64),
+            "malformed: the outer momentum must be float32 of shape (4,), got torch.float64 of shape (4,)",
+        ),
+        ([0.0] * 4, "malformed: the outer momentum must be float32 of shape (4,), got list"),
+        (torch.tensor([0.0, float("nan"), float("inf"), 1.0]), "non-finite: 2 of the outer momentum's values are NaN or infinite"),
+    ],
+)
+def test_a_checkpoints_outer_momentum_is_checked_before_use(value: object, why: str) -> None:
+    with pytest.raises(Refused) as e:
+        checked_momentum(value, 4)
+    assert str(e.value) == why
+    good = torch.tensor([1.0, -2.0, 0.0, 3.5])
+    assert torch.equal(checked_momentum(good, 4), good) and checked_momentum(good, 4) is not good

@@ -15,14 +15,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from geoshard.trainer.diloco import checks
 from geoshard.trainer.diloco.auth import Refused
 from geoshard.trainer.diloco.codec import codec
-from geoshard.trainer.diloco.kv import KV, POLL_S
+from geoshard.trainer.diloco.kv import KV, POLL_S, OuterSyncError
 from geoshard.trainer.diloco.optimizer import OuterOptimizer
 from geoshard.trainer.diloco.record import RoundRecord
 from geoshard.trainer.diloco.roster import Roster
@@ -206,6 +206,8 @@ class Pending:
     apply_at: int
     snapshot: torch.Tensor | None = None  # the leader's parameters when the round started
     params: torch.Tensor | None = None  # p2p: the round's new outer parameters, set by its thread
+    momentum: torch.Tensor | None = None  # this rank's outer momentum when the round started (for checkpoints)
+    momentum_kept: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
     record: RoundRecord | None = None
     error: BaseException | None = None
@@ -222,6 +224,18 @@ class Pending:
 
         self.thread = threading.Thread(target=run, name=name, daemon=True)
         self.thread.start()
+
+    def keep_momentum(self, momentum: torch.Tensor | None) -> None:
+        """In the round's thread, before the round changes it: a copy of the momentum (off the
+        training thread's path), for a checkpoint taken while the round is in flight."""
+        self.momentum = None if momentum is None else momentum.clone()
+        self.momentum_kept.set()
+
+    def kept_momentum(self) -> torch.Tensor | None:
+        """The momentum as it was when the round started (waits for the thread's copy)."""
+        if self.thread is not None and not self.momentum_kept.wait(timeout=600):
+            raise OuterSyncError("DiLoCo: the round's thread did not copy the outer momentum within 600 s")
+        return self.momentum
 
     def result(self) -> RoundRecord:
         assert self.thread is not None

@@ -98,6 +98,11 @@ class OuterLoop:
     def join(self, step: int, resumed: dict[str, Any] | None, redone: int) -> None:
         """Collective in the region. ``resumed``: the outer part of the region's checkpoint (None: a
         fresh start); ``redone``: steps logged after that checkpoint, which the region does again."""
+        if self.leader and resumed is not None and resumed.get("momentum") is not None:
+            try:
+                self.diloco.resume_momentum(resumed["momentum"])
+            except Refused as e:  # a lost momentum costs a few rounds' speed, not the run
+                log.warning("DiLoCo: region %s starts its outer momentum at zero: its checkpoint's is refused (%s)", self.region, e)
         rec = self.diloco.join(self.store)
         if self.leader and resumed is not None and "feedback" in resumed:
             try:
@@ -132,8 +137,15 @@ class OuterLoop:
         self._write(dataclasses.replace(rec, steps_lost=lost))
 
     def state(self) -> dict[str, Any]:
-        """What the region's checkpoint keeps of the outer loop."""
-        return {"round": self.diloco.round - 1, "last_round_step": self.last_round_step, "feedback": self.diloco.feedback.state_dict()}
+        """Collective in the region: what the region's checkpoint keeps of the outer loop (the
+        leader's is the one saved; the momentum as of the last round the region took)."""
+        momentum = self.diloco.outer_momentum()
+        return {
+            "round": self.diloco.round - 1,
+            "last_round_step": self.last_round_step,
+            "feedback": self.diloco.feedback.state_dict(),
+            "momentum": momentum,
+        }
 
     def leave(self) -> None:
         self.finish()

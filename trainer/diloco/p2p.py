@@ -159,6 +159,8 @@ class P2PExchange:
         received across regions, and the round the region starts from (0). A region that came
         after round 0 closed keeps ``current``, starts from the newest closed round (as a region
         that rejoins does) and takes the outer state in its first round (``fresh``)."""
+        if self.region == source and self.layout.k == 0:  # before its ready key: whoever sees it a member finds it
+            self.kv.set(self.kv.key("r", 0, 0, "momentum"), "1" if self.opt.momentum() is not None else "0")
         d = self._decide(0, 0, (), lambda: self.membership.decide_first(source, join_timeout_s))
         if source not in d.members:
             raise OuterSyncError(
@@ -174,6 +176,7 @@ class P2PExchange:
             self.opt.reset(self.own(current), None)
             return current, 0, region_max(self.region_group, last)
         own = self._pieces(self.own(current))
+        mom = self._momentum_of(source)
         received = 0
         if len(d.members) > 1:
             ring = Ring(tuple((g, self.job[g]) for g in restrict(self.ring, d.members)), f"m{d.name}")
@@ -182,35 +185,62 @@ class P2PExchange:
             groups = ShardGroups(self.store, self.kv.key("pg"), self.layout, ring, *args)
             try:
                 make_groups(groups, self.layout.mine)
+
+                def pieces(s: int) -> list[torch.Tensor]:  # the parameters' chunks, then the momentum's
+                    return [t[a:b] for t in (own[s], *([mom[s]] if mom else [])) for a, b in groups.pieces(s)]
+
                 if self.region == source:
                     for s in self.layout.mine:
-                        state_auth.publish(self.kv, self.kv.key("r", 0, 0, "state", s), [own[s][a:b] for a, b in groups.pieces(s)])
+                        state_auth.publish(self.kv, self.kv.key("r", 0, 0, "state", s), pieces(s))
                         if self.corrupt is not None:  # tests: a change made on the wire, after the digests
                             self.corrupt(0, s, own[s])
                 works = []
                 for s in self.layout.mine:
-                    for c, (a, b) in enumerate(groups.pieces(s)):
+                    for i, t in enumerate(pieces(s)):
                         opts = BroadcastOptions()
                         opts.rootRank = ring.index(source)
-                        works.append(groups.group(s, c).broadcast([own[s][a:b]], opts))
+                        works.append(groups.group(s, i % len(groups.pieces(s))).broadcast([t], opts))
                 for w in works:
                     w.wait()
             except RuntimeError as e:  # a peer lost while round 0 travelled: the job starts again
                 if self.layout.k == 0:
                     self.membership.mark_failed(0, 0)
                 raise OuterSyncError(f"DiLoCo: outer round 0 from {source} failed: {str(e).strip()[:160]}") from None
-            received = 0 if self.region == source else 4 * self.layout.own_numel
+            received = 0 if self.region == source else 4 * self.layout.own_numel * (2 if mom else 1)
             if self.region != source:
-                sent_to_us = [(self.kv.key("r", 0, 0, "state", s), [own[s][a:b] for a, b in groups.pieces(s)]) for s in self.layout.mine]
+                sent_to_us = [(self.kv.key("r", 0, 0, "state", s), pieces(s)) for s in self.layout.mine]
                 why = state_auth.check_all(self.kv, sent_to_us, timeout)
                 if region_max(self.region_group, int(bool(why))):
                     raise OuterSyncError(f"DiLoCo: outer round 0 from {source}: refused ({why or OTHER_REFUSED})")
-        bad = sum(int((~torch.isfinite(t)).sum()) for t in own.values())
+        bad = sum(int((~torch.isfinite(t)).sum()) for t in (*own.values(), *mom.values()))
         if region_max(self.region_group, int(bad > 0)):
             raise OuterSyncError(f"DiLoCo: outer round 0 from {source}: parameters that are NaN or infinite arrived; refused")
-        self.opt.reset(torch.cat([own[s] for s in self.layout.mine]), None)
+        momentum = torch.cat([mom[s] for s in self.layout.mine]) if mom else None
+        self.opt.reset(torch.cat([own[s] for s in self.layout.mine]), momentum)
         full, _ = gather_in_region(self.region_group, self.layout, self._pieces(self.opt.params))
         return full, received, 0
+
+    def _momentum_of(self, source: str) -> dict[int, torch.Tensor]:
+        """Round 0: the source region's outer momentum shards, which it sends with its parameters (a
+        whole job resumed from checkpoints that hold it: resume.py), or {} (a fresh job: zero). The
+        source's leader says which under a signed key before round 0 closes; every rank of every
+        member region learns it (this rank's buffers to send or to receive into)."""
+        key = self.kv.key("r", 0, 0, "momentum")
+        held = self.opt.momentum()
+        has = 0
+        if self.layout.k == 0:
+            if self.region == source:
+                has = int(held is not None)
+            elif not self.kv.wait_all([key], self.sync.round_timeout_s) or (value := self.kv.open_many([key])[0]) not in (b"0", b"1"):
+                raise OuterSyncError(f"DiLoCo: outer round 0 from {source}: refused ({key} is missing, unsigned or not 0 or 1)")
+            else:
+                has = int(value == b"1")
+        if not region_max(self.region_group, has):
+            return {}
+        if self.region == source:
+            assert held is not None
+            return self._pieces(held)
+        return {s: torch.zeros(b - a) for s in self.layout.mine for a, b in [self.layout.span(s)]}
 
     def _decide(self, r: int, attempt: int, previous: tuple[str, ...], first: Callable[[], Decision] | None = None) -> Decision:
         """The leader decides through the store (``first``: round 0's decision); every rank of the

@@ -28,6 +28,7 @@ from geoshard.trainer.diloco.membership import last_round
 from geoshard.trainer.diloco.optimizer import OuterOptimizer, latest, wait_latest
 from geoshard.trainer.diloco.p2p import Corrupt, P2PExchange
 from geoshard.trainer.diloco.record import JoinRecord, RoundRecord
+from geoshard.trainer.diloco.resume import checked_momentum, gathered
 from geoshard.trainer.diloco.settings import OuterSync
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class DiLoCo:
         self._rejoined = False  # p2p: the leader joined a job that had rounds: the state comes in the next round
         self._first = False  # p2p: the leader joined before round 0: the first region's parameters come in join
         self.join_store_bytes = 0  # p2p: the bytes this rank's store client carried for join (round 0 included)
+        self._resumed_momentum: torch.Tensor | None = None  # the leader's, from its checkpoint (resume.py)
         self._p2p_args = (tuple(ranks or ()), bind, tuple(ring or regions), corrupt)
         if sync.transport == "p2p" and len(self._p2p_args[0]) != len(self.regions):
             raise ConfigError(f"DiLoCo p2p: give the rank count of each of the job's {len(self.regions)} regions (ranks=...)")
@@ -226,7 +228,7 @@ class DiLoCo:
             return self._join_first_p2p(store, kv, ex)
         newest = latest(kv)
         if newest is None and self.region == self.regions[0] and store.add(kv.key("created"), 1) == 1:
-            self._opt.reset(self._flat(), None)
+            self._opt.reset(self._flat(), self._resumed_momentum)
             kv.set(kv.key("config"), json.dumps(self._contract()))
             ex.roster.start()
             self._opt.publish(kv, 0, 0)
@@ -269,7 +271,7 @@ class DiLoCo:
             )
         else:
             self._check_contract(kv)
-        self._opt.reset(self._flat(), None)
+        self._opt.reset(self._flat(), self._resumed_momentum)  # round 0 hands the first region's to every region
         self._first = True
         return JoinRecord(0, 0, created, 0, refused=ex.refused())
 
@@ -282,6 +284,28 @@ class DiLoCo:
         except NonFinite as e:
             log.warning("DiLoCo: region %s publishes an unusable pseudo-gradient for round %d: %s", self.region, self.round, e)
             return unusable(self.feedback.codec, delta.numel())
+
+    # -- the outer momentum in checkpoints (resume.py) ------------------------------------------
+    def resume_momentum(self, value: Any) -> None:
+        """The leader, before ``join``: its checkpoint's outer momentum, checked (Refused: it starts
+        from zero). The job's first region's goes to every region in round 0."""
+        self._resumed_momentum = checked_momentum(value, self._opt.bounds.numel)
+
+    def outer_momentum(self) -> torch.Tensor | None:
+        """Collective in the region: the outer momentum as of the last round the region took (a
+        round in flight is not in it), whole, on the leader; None on the others, or before the
+        first outer step."""
+        held = self._pending.kept_momentum() if self._pending is not None else self._momentum_now()
+        if self._p2p is None:
+            return held if self.is_leader else None
+        full = gathered(held, self._p2p.layout, self.group, self.params[0].device)
+        return full if self.is_leader else None
+
+    def _momentum_now(self) -> torch.Tensor | None:
+        """This rank's momentum (p2p: its shards; store: the leader's whole), a copy."""
+        opt = self._p2p.opt if self._p2p is not None else self._opt
+        mom = opt.momentum() if self._p2p is not None or self.is_leader else None
+        return None if mom is None else mom.clone()
 
     def maybe_sync(self, step: int) -> RoundRecord | None:
         """After inner step ``step`` (1-based): a round when ``step`` is a multiple of ``outer_steps``;
@@ -326,6 +350,7 @@ class DiLoCo:
             p2p, r, snap = self._p2p, self.round, pending.snapshot
 
             def work() -> RoundRecord:
+                pending.keep_momentum(p2p.opt.momentum())
                 rec, pending.params = p2p.run(r, step, snap, time.perf_counter())
                 return rec
 
@@ -336,7 +361,13 @@ class DiLoCo:
             ex, r = self._leader(), self.round
             # Only this thread uses the store and the outer tensors until finish(); the training
             # thread touches the model's parameters only.
-            pending.run_behind(lambda: ex.run(r, step, payload, time.perf_counter()), f"diloco-round-{r}")
+            mom = self._opt.momentum()
+
+            def leader_work() -> RoundRecord:
+                pending.keep_momentum(mom)
+                return ex.run(r, step, payload, time.perf_counter())
+
+            pending.run_behind(leader_work, f"diloco-round-{r}")
         pending.blocked_s = time.perf_counter() - t0
         self._pending = pending
 
