@@ -415,6 +415,7 @@ def _checkpoint(step: int, run: Run) -> float:
     ds = run.loader.dataset
     states: list[Any] = [None] * run.ctx.group_size
     dist.all_gather_object(states, (loader_key(ds.region, ds.rank), run.loader.state_dict()))
+    outer = None if run.outer is None else run.outer.state()  # every rank: p2p's int8 / fp8 residual is sharded
     if run.ctx.group_rank == 0:
         state = {
             "step": step,
@@ -423,8 +424,8 @@ def _checkpoint(step: int, run: Run) -> float:
             "inner_optimizer": run.cfg.inner_optimizer,
             "loaders": dict(states),
         }
-        if run.outer is not None:
-            state["outer"] = run.outer.state()
+        if outer is not None:
+            state["outer"] = outer
         run.store.save(step, state)
     dist.barrier()
     return time.perf_counter() - t0

@@ -99,9 +99,10 @@ class OuterLoop:
         """Collective in the region. ``resumed``: the outer part of the region's checkpoint (None: a
         fresh start); ``redone``: steps logged after that checkpoint, which the region does again."""
         rec = self.diloco.join(self.store)
-        if self.leader and resumed is not None and "feedback" in resumed:
+        p2p = self.diloco.sync.transport == "p2p"  # its int8 / fp8 residual is sharded over the region's ranks
+        if (self.leader or p2p) and resumed is not None and "feedback" in resumed:
             try:
-                self.diloco.feedback.load_state_dict(resumed["feedback"])
+                self.diloco.load_feedback(resumed["feedback"])
             except Refused as e:  # a lost residual costs one round's rounding, not the run
                 log.warning("DiLoCo: region %s starts its error feedback at zero: its checkpoint's is refused (%s)", self.region, e)
         lost = redone
@@ -132,8 +133,8 @@ class OuterLoop:
         self._write(dataclasses.replace(rec, steps_lost=lost))
 
     def state(self) -> dict[str, Any]:
-        """What the region's checkpoint keeps of the outer loop."""
-        return {"round": self.diloco.round - 1, "last_round_step": self.last_round_step, "feedback": self.diloco.feedback.state_dict()}
+        """What the region's checkpoint keeps of the outer loop; collective in the region (every rank calls it)."""
+        return {"round": self.diloco.round - 1, "last_round_step": self.last_round_step, "feedback": self.diloco.feedback_state()}
 
     def leave(self) -> None:
         self.finish()
