@@ -140,7 +140,7 @@ def test_a_byte_changed_on_the_wire_after_its_digest_was_published_is_refused_in
     assert whys["eu-west-1-0"].startswith("shard 0: non-finite: "), whys
     assert whys["eu-west-1-1"] == "another rank of the region refused a shard's sum", whys
     us = [json.loads(x) for x in (tmp_path / "us-east-1-0.jsonl").read_text().splitlines()]
-    assert us[1]["refused"] >= 1 and us[0]["refused"] == us[2]["refused"] == 0
+    assert us[1]["refused"] >= 1 and us[0].get("refused", 0) == us[2].get("refused", 0) == 0  # counted in the rounds file
 
 
 @pytest.mark.slow
