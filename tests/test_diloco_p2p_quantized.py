@@ -170,7 +170,7 @@ def _train(tmp_path: Path, compression: str, regions: str) -> tuple[Path, subpro
     plan = local_plan(tmp_path, {US: 1, EU: 1}, samples=2000)
     out = tmp_path / f"run-{compression}"
     argv = train_argv(plan, out, regions, "--steps", 40, "--outer-steps", 10, "--hidden", 256, "--outer-compression", compression)
-    argv += ["--checkpoint-every", "20", "--outer-transport", "p2p", "--outer-streams", 2]
+    argv += ["--checkpoint-every", "20", "--outer-transport", "p2p", "--outer-streams", "2"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=400, cwd=tmp_path, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stderr.strip() == "", done.stderr[-3000:]  # no warning: no round missed, refused or failed
