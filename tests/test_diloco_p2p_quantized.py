@@ -85,7 +85,11 @@ def by_hand(name: str, xs: list[torch.Tensor], shards: int) -> tuple[torch.Tenso
 
 @pytest.mark.parametrize(
     ("members", "name"),
-    [("us-east-1:1,eu-west-1:2", "int8"), ("us-east-1:2,eu-west-1:1,ap-southeast-1:2", "int8"), ("us-east-1:1,eu-west-1:1,ap-southeast-1:2", "fp8")],
+    [
+        ("us-east-1:1,eu-west-1:2", "int8"),
+        ("us-east-1:2,eu-west-1:1,ap-southeast-1:2", "int8"),
+        ("us-east-1:1,eu-west-1:1,ap-southeast-1:2", "fp8"),
+    ],
 )
 def test_the_quantized_exchange_equals_the_computation_by_hand_exactly_and_the_fp32_sum_within_the_bound(
     members: str, name: str, tmp_path: Path

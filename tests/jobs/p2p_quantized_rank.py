@@ -53,7 +53,9 @@ def rounds(mode: str, region: str, rank: int, store: dist.TCPStore, members: lis
         if mode == "forge" and region == "eu-west-1" and rank == 0 and r == 2 and t.numel():
             t[t.numel() // 2] ^= 1  # one bit of one byte
 
-    diloco = DiLoCo(model, sync, region, names, group=group, secret=read_secret(Path(out, "secret")), ranks=[k for _, k in members], corrupt=corrupt)
+    diloco = DiLoCo(
+        model, sync, region, names, group=group, secret=read_secret(Path(out, "secret")), ranks=[k for _, k in members], corrupt=corrupt
+    )
     diloco.join(store)
     g = torch.Generator().manual_seed(names.index(region) * 100 + rank)
     total = {"forge": 3, "resume": 4}[mode]

@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Corrupt = Callable[[int, int, torch.Tensor], None]  # (round, shard, the bytes sent in step 1): tests only
+# per owned shard, per stream chunk: its group, its size, its members' parts ([a, b) in the chunk), their payloads
+Chunks = dict[int, list[tuple[Any, int, list[tuple[int, int]], list[bytes]]]]
 
 
 def parts(n: int, m: int) -> list[tuple[int, int]]:
@@ -116,6 +117,26 @@ class Quantized:
         """The owned shards of a checked full residual (``ErrorFeedback.load_state_dict``)."""
         self.residual = {} if full.residual is None else {s: full.residual[a:b].clone() for s, (a, b) in spans.items()}
 
+    def prepare(self, groups: ShardGroups, deltas: dict[int, torch.Tensor], m: int, fresh: bool = False) -> tuple[Chunks, list[str]]:
+        """Each owned shard's pseudo-gradient encoded per stream chunk (``groups.pieces``) and per
+        member's part, with its group: ``exchange``'s input; and why any shard was not finite (it
+        goes out unusable, NaN scales, so the others refuse it at once)."""
+        chunks: Chunks = {}
+        bad = []
+        for s, delta in deltas.items():
+            pieces = groups.pieces(s)
+            cuts = [[(ca + x, ca + y) for x, y in parts(cb - ca, m)] for ca, cb in pieces]
+            try:
+                payloads = self.encode_shard(s, torch.zeros_like(delta) if fresh else delta, cuts, fresh)
+            except NonFinite as e:
+                bad.append(f"shard {s}: {e}")
+                payloads = [[unusable(self.codec, y - x) for x, y in cut] for cut in cuts]
+            chunks[s] = [
+                (groups.group(s, c) if m > 1 else None, cb - ca, [(x - ca, y - ca) for x, y in cut], p)
+                for c, ((ca, cb), cut, p) in enumerate(zip(pieces, cuts, payloads, strict=True))
+            ]
+        return chunks, bad
+
     # -- the exchange ----------------------------------------------------------------------------
     def key(self, w: Where, step: str, s: int, c: int, region: str) -> str:
         return self.kv.key("r", w.r, w.attempt, step, w.name, s, c, region)
@@ -123,7 +144,7 @@ class Quantized:
     def exchange(
         self,
         w: Where,
-        chunks: dict[int, list[tuple[Any, int, list[tuple[int, int]], list[bytes]]]],
+        chunks: Chunks,
         corrupt: Callable[[int, torch.Tensor], None] | None = None,
     ) -> tuple[dict[int, list[torch.Tensor]], int, str]:
         """``chunks``: per owned shard, per chunk (its group, its size, its parts, their payloads).
@@ -285,24 +306,14 @@ def round_sum(
     ex.phases.tick("groups")
     members = tuple(g for g, _ in ring.members)
     w = Where(r, attempt, ring.name, members.index(ex.region), members)
-    fresh = ex.region in d.fresh
-    chunks: dict[int, list[tuple[Any, int, list[tuple[int, int]], list[bytes]]]] = {}
-    offset = 0
+    deltas, offset = {}, 0
     for s in ex.layout.mine:
         a, b = ex.layout.span(s)
-        delta = ex.opt.params[offset : offset + b - a] - current[a:b]
+        deltas[s] = ex.opt.params[offset : offset + b - a] - current[a:b]
         offset += b - a
-        pieces = groups.pieces(s)
-        cuts = [[(ca + x, ca + y) for x, y in parts(cb - ca, len(members))] for ca, cb in pieces]
-        try:
-            payloads = q.encode_shard(s, torch.zeros_like(delta) if fresh else delta, cuts, fresh)
-        except NonFinite as e:  # the others refuse it at once (NaN scales), as the store path's leaders do
-            log.warning("DiLoCo: region %s sends an unusable pseudo-gradient for round %d: %s", ex.region, r, e)
-            payloads = [[unusable(q.codec, y - x) for x, y in cut] for cut in cuts]
-        chunks[s] = [
-            (groups.group(s, c) if len(members) > 1 else None, cb - ca, [(x - ca, y - ca) for x, y in cut], p)
-            for c, ((ca, cb), cut, p) in enumerate(zip(pieces, cuts, payloads, strict=True))
-        ]
+    chunks, bad = q.prepare(groups, deltas, len(members), ex.region in d.fresh)
+    for why in bad:  # the others refuse it at once, as the store path's leaders do
+        log.warning("DiLoCo: region %s sends an unusable pseudo-gradient for round %d: %s", ex.region, r, why)
     ex.phases.tick("encode")
     corrupt = None if ex.corrupt is None else (lambda s, buf: ex.corrupt(r, s, buf))  # type: ignore[misc]
     out, sent, why = q.exchange(w, chunks, corrupt)
@@ -339,15 +350,7 @@ def quantized_allreduce(
     make_groups(groups, layout.mine)
     names = tuple(g for g, _ in members)
     q = Quantized(c, kv, False, timeout_s)
-    chunks: dict[int, list[tuple[Any, int, list[tuple[int, int]], list[bytes]]]] = {}
-    for s in layout.mine:
-        a, b = layout.span(s)
-        cuts = [[(ca + x, ca + y) for x, y in parts(cb - ca, len(names))] for ca, cb in groups.pieces(s)]
-        payloads = q.encode_shard(s, flat[a:b], cuts, False)
-        chunks[s] = [
-            (groups.group(s, i) if len(names) > 1 else None, cb - ca, [(x - ca, y - ca) for x, y in cut], p)
-            for i, ((ca, cb), cut, p) in enumerate(zip(groups.pieces(s), cuts, payloads, strict=True))
-        ]
+    chunks, _ = q.prepare(groups, {s: flat[slice(*layout.span(s))] for s in layout.mine}, len(names))
     out, sent, why = q.exchange(Where(0, 0, ring.name, names.index(region), names), chunks)
     if why:
         raise Refused("unauthenticated", why)
