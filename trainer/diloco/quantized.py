@@ -87,6 +87,7 @@ class Quantized:
         self.codec, self.kv, self.timeout_s = c, kv, timeout_s
         self.feedback = feedback
         self.residual: dict[int, torch.Tensor] = {}  # per owned shard, from its first round
+        self.published: dict[int, list[str]] = {}  # per round, the digest keys this rank set (deleted two rounds on)
 
     # -- error feedback ------------------------------------------------------------------------
     def encode_shard(self, s: int, delta: torch.Tensor, cuts: Sequence[Sequence[tuple[int, int]]], fresh: bool) -> list[list[bytes]]:
@@ -138,8 +139,9 @@ class Quantized:
         return chunks, bad
 
     # -- the exchange ----------------------------------------------------------------------------
-    def key(self, w: Where, step: str, s: int, c: int, region: str) -> str:
-        return self.kv.key("r", w.r, w.attempt, step, w.name, s, c, region)
+    def key(self, w: Where, step: str, s: int, region: str) -> str:
+        """Where ``region``'s owner of shard ``s`` signs the digests of what it sends in ``step``."""
+        return self.kv.key("r", w.r, w.attempt, step, w.name, s, region)
 
     def exchange(
         self,
@@ -151,6 +153,8 @@ class Quantized:
         Per shard and chunk, the decoded sum (fp32); the bytes this rank sent; why a piece was
         refused ('' if none). Collective over the members' owners; every chunk at once."""
         m = len(w.members)
+        for old in [r for r in self.published if r <= w.r - 2]:  # every member read them before round r - 1 ended
+            self.kv.delete(self.published.pop(old), [])
         if m == 1:  # alone: its own values, rounded once
             return {s: [self._decode_whole(p, cut) for _, _, cut, p in cs] for s, cs in chunks.items()}, 0, ""
         sent, why = 0, ""
@@ -166,10 +170,10 @@ class Quantized:
                 got = torch.empty(sum(outs), dtype=torch.uint8)
                 first.append((s, c, got, outs, group.alltoall_base(got, buf, outs, ins)))
                 sent += buf.numel()
-        for s in sorted(chunks):  # the digests, signed, while the bytes travel
-            for c, (_, _, _, payloads) in enumerate(chunks[s]):
-                self._publish(w, "q1", s, c, [b"" if j == w.me else p for j, p in enumerate(payloads)])
+        for s in sorted(chunks):  # the digests, signed, while the bytes travel: piece c * m + j goes to member j
+            self._publish(w, "q1", s, [b"" if j == w.me else p for *_, payloads in chunks[s] for j, p in enumerate(payloads)])
         second, digests = [], None
+        sums: dict[int, list[bytes]] = {}
         for s, c, got, outs, work in first:
             work.wait()
             if digests is None:  # published before the bytes arrived: one read for every chunk
@@ -178,7 +182,9 @@ class Quantized:
             total, problem = self._reduce(w, s, c, digests, got, outs, payloads[w.me], cut[w.me])
             why = why or problem
             mine = self._sum_payload(total, cut[w.me])
-            self._publish(w, "q2", s, c, [mine])
+            sums.setdefault(s, []).append(mine)
+            if len(sums[s]) == len(chunks[s]):  # the shard's last chunk: piece c is chunk c's sum
+                self._publish(w, "q2", s, sums[s])
             sizes = [0 if i == w.me else self.codec.nbytes(cut[i][1] - cut[i][0]) for i in range(m)]
             back = torch.empty(sum(sizes), dtype=torch.uint8)
             buf = _tensor(mine * (m - 1))
@@ -198,17 +204,16 @@ class Quantized:
     def _decode_whole(self, payloads: list[bytes], cut: list[tuple[int, int]]) -> torch.Tensor:
         return torch.cat([self.codec.decode(p, b - a) for p, (a, b) in zip(payloads, cut, strict=True)])
 
-    def _publish(self, w: Where, step: str, s: int, c: int, pieces: Sequence[bytes]) -> None:
-        """Signed under the piece's key: the HMAC of each piece this rank sends ('-' for none)."""
-        key = self.key(w, step, s, c, w.members[w.me])
+    def _publish(self, w: Where, step: str, s: int, pieces: Sequence[bytes]) -> None:
+        """Signed under this rank's key for shard ``s``: the HMAC of each piece it sends ('-' for none)."""
+        key = self.key(w, step, s, w.members[w.me])
+        self.published.setdefault(w.r, []).append(key)
         self.kv.set(key, " ".join(self.kv.signer.mac(f"{key}/{i}", p) if p else "-" for i, p in enumerate(pieces)))
 
     def _fetch(self, w: Where, step: str, chunks: dict[int, list[Any]]) -> dict[str, list[str] | Refused]:
-        """Every other member's signed digests of ``step`` for every chunk, in one wait and one read
-        (a round trip to the store each, not one per piece): per key, the digests or why not."""
-        keys = [
-            self.key(w, step, s, c, g) for s in sorted(chunks) for c in range(len(chunks[s])) for i, g in enumerate(w.members) if i != w.me
-        ]
+        """Every other member's signed digests of ``step`` for every owned shard, in one wait and one
+        read (not a round trip per piece): per key, the digests or why not."""
+        keys = [self.key(w, step, s, g) for s in sorted(chunks) for i, g in enumerate(w.members) if i != w.me]
         if not self.kv.wait_all(keys, self.timeout_s):
             late = Refused("unauthenticated", f"the members' signed digests ({step}) did not arrive within {self.timeout_s:g} s")
             return dict.fromkeys(keys, late)
@@ -247,7 +252,7 @@ class Quantized:
                     continue
                 piece = got[offset : offset + size]
                 offset += size
-                self._check(digests, self.key(w, "q1", s, c, w.members[i]), w.members[i], w.me, piece)
+                self._check(digests, self.key(w, "q1", s, w.members[i]), w.members[i], c * len(outs) + w.me, piece)
                 total += self.codec.decode(_bytes(piece), n)
         except Refused as e:
             return None, f"shard {s}: {e.kind}: {e.reason}"
@@ -286,7 +291,7 @@ class Quantized:
                     continue
                 piece = back[offset : offset + size]
                 offset += size
-                self._check(digests, self.key(w, "q2", s, c, w.members[i]), w.members[i], 0, piece)
+                self._check(digests, self.key(w, "q2", s, w.members[i]), w.members[i], c, piece)
                 out[a:b] = self.codec.decode(_bytes(piece), b - a)
             except Refused as e:
                 why = why or f"shard {s}: {e.kind}: {e.reason}"
