@@ -188,9 +188,10 @@ def test_geoshard_train_with_int8_and_fp8_over_p2p_sends_about_half_of_fp16s_byt
     for name in ("fp16", "int8", "fp8"):
         out, done = _train(tmp_path, name, regions)
         for region, n in ((US, 1), (EU, 2)):
+            inner = "DDP in the region" if n > 1 else "one rank in the region, no DDP"
             start = (
-                f"geoshard.trainer: {region}: {n} of the job's 3 rank(s); {'DDP in the region' if n > 1 else 'one rank in the region, no DDP'}, "
-                f"DiLoCo across {regions} every 10 steps (outer lr 0.7, momentum 0.9, Nesterov, {name}; peer to peer, sharded over every rank, 2 streams)"
+                f"geoshard.trainer: {region}: {n} of the job's 3 rank(s); {inner}, DiLoCo across {regions} every 10 steps "
+                f"(outer lr 0.7, momentum 0.9, Nesterov, {name}; peer to peer, sharded over every rank, 2 streams)"
             )
             assert start in done.stdout.splitlines(), done.stdout[:3000]
             rounds = [r for r in lines(out / f"rounds-{region}.jsonl") if r["event"] == "round"]
