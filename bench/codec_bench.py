@@ -10,14 +10,21 @@ once per codec and seed, the same samples in every run:
 - ``int8`` and ``fp8`` with error feedback (the default), and ``int8-noef``
   (``--no-outer-error-feedback``).
 
+``--transport`` (default ``p2p``, train's default; ``store`` as the first figures were taken): over
+p2p every codec goes peer to peer (int8 / fp8 as a reduce-scatter and all-gather in their own bytes,
+``trainer/diloco/quantized.py``), and the bytes a region's one rank sent per round
+(``bytes_published``: 2(m-1)/m of the encoded value, at m = 2 one value) stand where the store's
+``bytes_read`` stood, with the store's own bytes per round beside them.
+
 Reported per run: the pseudo-gradient bytes a region reads per round (the other region's value, from
-``rounds-<region>.jsonl``'s ``bytes_read``), the final training loss (mean of the last 10% of steps,
+``rounds-<region>.jsonl``'s ``bytes_read``; over p2p what it sent), the final training loss (mean of the last 10% of steps,
 both regions) and the eval loss of the final model (the outer parameters after the last round, as
 each region's last checkpoint holds them) on the first ``--eval-samples`` samples of each region;
 per codec, the mean over seeds and each figure as a ratio to fp16's.
 
     .venv/bin/python bench/codec_bench.py                   # 12 runs, ~57 minutes at load ~30 (2 shared cores)
     .venv/bin/python bench/codec_bench.py --small           # smoke run, figures meaningless
+    .venv/bin/python bench/codec_bench.py --transport store --codecs fp16,int8,fp8   # through the store
     .venv/bin/python bench/codec_bench.py --speed           # encode + decode time at 1M, 16M, 64M values
 """
 
@@ -63,7 +70,7 @@ def one_run(name: str, seed: int, plan: Path, work: Path, args: argparse.Namespa
     argv = [GEOSHARD, "train", "--plan", str(plan), "--regions", RANKS, "--out", str(out), "--sync", "diloco", "--backend", "gloo"]
     argv += ["--steps", str(args.steps), "--outer-steps", str(args.outer_steps), "--hidden", str(args.hidden), "--seed", str(seed)]
     argv += ["--batch-size", str(args.batch_size), "--lr", str(args.lr), "--num-workers", "1", "--checkpoint-every", str(args.steps)]
-    argv += CODECS[name]
+    argv += [*CODECS[name], "--outer-transport", args.transport]
     t0 = time.monotonic()
     done = subprocess.run(argv, capture_output=True, text=True, timeout=3600, cwd=work, check=False)
     seconds = time.monotonic() - t0
@@ -82,8 +89,10 @@ def one_run(name: str, seed: int, plan: Path, work: Path, args: argparse.Namespa
         "seconds": round(seconds, 1),
         "rounds": len(rounds) // len(REGIONS),
         "compression": sorted({r.compression for r in rounds}),
-        # what a region reads per round: the other region's pseudo-gradient
-        "grad_bytes_per_round": round(sum(r.bytes_read for r in rounds) / len(rounds)),
+        "transport": args.transport,
+        # what a region reads per round: the other region's pseudo-gradient (p2p: what its rank sent, as much)
+        "grad_bytes_per_round": round(sum(r.bytes_read if args.transport == "store" else r.bytes_published for r in rounds) / len(rounds)),
+        "store_bytes_per_round_max": max(r.store_bytes for r in rounds),
         "train_loss_last10pct": round(sum(losses) / len(losses), 5),
         "eval_loss": round(eval_loss(plan, out / "checkpoints" / REGIONS[0], args.hidden, args.eval_samples, REGIONS), 5),
     }
@@ -104,6 +113,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "codec": name,
                 "seeds": [r["seed"] for r in mine],
                 "grad_bytes_per_round": mine[0]["grad_bytes_per_round"],
+                "store_bytes_per_round_max": max(r.get("store_bytes_per_round_max", 0) for r in mine),
                 "eval_loss_mean": round(sum(ev) / len(ev), 5),
                 "eval_loss_spread": round(max(ev) - min(ev), 5),
                 "train_loss_mean": round(sum(tr) / len(tr), 5),
@@ -155,6 +165,7 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--codecs", default=",".join(CODECS))
+    p.add_argument("--transport", choices=("p2p", "store"), default="p2p", help="how the pseudo-gradients travel (--outer-transport)")
     p.add_argument("--eval-samples", type=int, default=2000)
     p.add_argument("--keep", action="store_true", help="keep the run folders (under --data)")
     p.add_argument("--small", action="store_true", help="smoke run: 40 steps, H=10, one seed")
@@ -190,7 +201,8 @@ def main() -> int:
                 args.json_out.parent.mkdir(parents=True, exist_ok=True)
                 args.json_out.write_text(json.dumps(result, indent=1))  # after every run: a cut-short run keeps its rows
                 print(
-                    f"{name:10s} seed {seed}: {row['grad_bytes_per_round']:>9,} B/round, eval loss {row['eval_loss']:.4f}, "
+                    f"{name:10s} seed {seed} ({args.transport}): {row['grad_bytes_per_round']:>9,} B/round, "
+                    f"eval loss {row['eval_loss']:.4f}, "
                     f"train loss (last 10%) {row['train_loss_last10pct']:.4f}, {row['seconds']:.0f} s, load {row['load']}",
                     flush=True,
                 )

@@ -15,6 +15,10 @@ exchange, no warm-up), each timed from a barrier to the last rank's end, of:
   published in the store during the transfer and checked after it, then the in-region gather;
   each phase timed; its groups made once per size, first one after another (the baseline, as
   the trainer did before), then all at once (as it does), both timed;
+- ``trainer-int8-K`` (``--ppr`` 1 and 2; not in the default set): the trainer's int8 path
+  (trainer/diloco/quantized.py) on ``trainer-K``'s groups: the same values as fp16's B, encoded
+  with error feedback, a reduce-scatter and an all-gather in int8 bytes (about B/2 a round), each
+  piece's HMAC digest signed in the store and checked, then the in-region gather; phases timed;
 - ``torchft``: torchft 0.2.0 from its own venv (``--torchft-python``): a Lighthouse on us-east-1's
   address, a Manager per region, per round ``start_quorum``, ``allreduce`` (the average) and
   ``should_commit``, each phase timed.
@@ -29,6 +33,7 @@ figure carries the 1-minute load average taken when it was measured.
     sudo .venv/bin/python bench/exchange_bench.py                # ~21 minutes on 2 busy cores
     sudo .venv/bin/python bench/exchange_bench.py --small        # smoke run, ~3 minutes
     sudo .venv/bin/python bench/exchange_bench.py --sizes 22 --variants ring,streams-4
+    sudo .venv/bin/python bench/exchange_bench.py --sizes 22,91 --variants ring,trainer-8,trainer-int8-8
 
 ``--transport geoshard`` runs the streams and sharded variants through the hook
 ``exchange_geoshard`` in bench/exchange_worker.py (the project's exchange, once wired).

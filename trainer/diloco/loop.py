@@ -104,9 +104,10 @@ class OuterLoop:
             except Refused as e:  # a lost momentum costs a few rounds' speed, not the run
                 log.warning("DiLoCo: region %s starts its outer momentum at zero: its checkpoint's is refused (%s)", self.region, e)
         rec = self.diloco.join(self.store)
-        if self.leader and resumed is not None and "feedback" in resumed:
+        p2p = self.diloco.sync.transport == "p2p"  # its int8 / fp8 residual is sharded over the region's ranks
+        if (self.leader or p2p) and resumed is not None and "feedback" in resumed:
             try:
-                self.diloco.feedback.load_state_dict(resumed["feedback"])
+                self.diloco.load_feedback(resumed["feedback"])
             except Refused as e:  # a lost residual costs one round's rounding, not the run
                 log.warning("DiLoCo: region %s starts its error feedback at zero: its checkpoint's is refused (%s)", self.region, e)
         lost = redone
@@ -137,14 +138,13 @@ class OuterLoop:
         self._write(dataclasses.replace(rec, steps_lost=lost))
 
     def state(self) -> dict[str, Any]:
-        """Collective in the region: what the region's checkpoint keeps of the outer loop (the
-        leader's is the one saved; the momentum as of the last round the region took)."""
-        momentum = self.diloco.outer_momentum()
+        """Collective in the region (every rank calls it): what the region's checkpoint keeps of the
+        outer loop (the leader's is the one saved; the momentum as of the last round the region took)."""
         return {
             "round": self.diloco.round - 1,
             "last_round_step": self.last_round_step,
-            "feedback": self.diloco.feedback.state_dict(),
-            "momentum": momentum,
+            "feedback": self.diloco.feedback_state(),
+            "momentum": self.diloco.outer_momentum(),
         }
 
     def leave(self) -> None:

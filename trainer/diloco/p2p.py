@@ -28,10 +28,12 @@ from torch.distributed import BroadcastOptions
 
 from geoshard.trainer.diloco import mac, state_auth
 from geoshard.trainer.diloco.auth import Refused
+from geoshard.trainer.diloco.codec import codec
 from geoshard.trainer.diloco.groups import Bind, CountingStore, GroupCache, gloo_group
 from geoshard.trainer.diloco.kv import KV, OuterSyncError
 from geoshard.trainer.diloco.membership import MAX_ATTEMPTS, Decision, Membership, last_round
 from geoshard.trainer.diloco.optimizer import OuterOptimizer
+from geoshard.trainer.diloco.quantized import Quantized, round_sum
 from geoshard.trainer.diloco.record import RoundRecord
 from geoshard.trainer.diloco.ring import restrict
 from geoshard.trainer.diloco.settings import SUMMABLE_DTYPES, OuterSync
@@ -94,6 +96,8 @@ class P2PExchange:
             wait_s = 2 * sync.round_timeout_s + 60  # non-leaders wait here while the leader waits on the store
             self.region_group = gloo_group(store, kv.key("pg", "region", region, token) + "/", k, self.layout.n, bind, wait_s)
         self.fresh = False  # rejoined: its next round contributes nothing and receives the outer state
+        c = codec(sync.compression)  # int8 / fp8: its own exchange (quantized.py), with each owned shard's residual
+        self.quantized = None if c.summable else Quantized(c, kv, sync.error_feedback, sync.round_timeout_s)
         self.phases = Phases()
 
     # -- the outer shards -------------------------------------------------------------------------
@@ -302,6 +306,8 @@ class P2PExchange:
         groups = ShardGroups(
             self.store, self.kv.key("pg"), self.layout, ring, self.region, self.sync.streams, self.bind, timeout, self.cache
         )
+        if self.quantized is not None:  # int8 / fp8: reduce-scatter and all-gather in the codec's bytes
+            return round_sum(self, groups, ring, r, attempt, d, current)
         dtype = SUMMABLE_DTYPES[self.sync.compression]
         self.phases.tick("other")
         make_groups(groups, self.layout.mine)

@@ -275,6 +275,34 @@ class DiLoCo:
         self._first = True
         return JoinRecord(0, 0, created, 0, refused=ex.refused())
 
+    # -- error feedback state -------------------------------------------------------------------
+    def feedback_state(self) -> dict[str, Any]:
+        """The residual for the region's checkpoint. With p2p and int8 / fp8 each rank holds its
+        owned shards' residual: summed over the region (each shard has one owner), so collective
+        in the region: call it on every rank. Otherwise the leader's ``ErrorFeedback``."""
+        q = None if self._p2p is None else self._p2p.quantized
+        if q is None or self._p2p is None:
+            return self.feedback.state_dict()
+        if not self.feedback.enabled:
+            return {"codec": q.codec.name, "residual": None}
+        layout = self._p2p.layout
+        full = q.state({s: layout.span(s) for s in layout.mine}, layout.numel).to(self.params[0].device)  # nccl: on the device
+        if self.group is not None:
+            dist.all_reduce(full, group=self.group)
+        return {"codec": q.codec.name, "residual": full.cpu()}
+
+    def load_feedback(self, state: Any) -> None:
+        """A checkpoint's residual, checked (``Refused``: nothing changes); with p2p and int8 / fp8
+        every rank takes its owned shards of it."""
+        q = None if self._p2p is None else self._p2p.quantized
+        if q is None or self._p2p is None:
+            self.feedback.load_state_dict(state)
+            return
+        checked = ErrorFeedback(q.codec, self._p2p.layout.numel, self.feedback.enabled)
+        checked.load_state_dict(state)
+        layout = self._p2p.layout
+        q.load(checked, {s: layout.span(s) for s in layout.mine})
+
     # -- the outer round ------------------------------------------------------------------------
     def _encode(self, delta: torch.Tensor) -> bytes:
         """The leader's pseudo-gradient as published (with error feedback). One that is not finite

@@ -11,7 +11,8 @@ from geoshard.errors import ConfigError
 from geoshard.trainer.diloco.codec import CODECS, codec
 
 COMPRESSIONS = tuple(CODECS)  # the codecs (codec.py): fp16 bf16 none int8 fp8
-# The codecs an all-reduce can sum on the wire (the p2p transport), as the dtype it sums in.
+# The codecs an all-reduce can sum on the wire (the p2p transport), as the dtype it sums in; int8
+# and fp8 go over p2p as a reduce-scatter and all-gather in their own bytes (quantized.py).
 SUMMABLE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": torch.float32}
 TRANSPORTS = ("store", "p2p")
 MAX_STREAMS = 64
@@ -49,11 +50,6 @@ class OuterSync:
             raise ConfigError("round_timeout_s and join_timeout_s must be above 0")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"outer transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
-        if self.transport == "p2p" and self.compression not in SUMMABLE_DTYPES:
-            raise ConfigError(
-                f"outer compression {self.compression} cannot be summed by the p2p transport's all-reduce: "
-                f"use one of {', '.join(SUMMABLE_DTYPES)}, or --outer-transport store"
-            )
         if not 1 <= self.streams <= MAX_STREAMS:
             raise ConfigError(f"outer streams must be 1 to {MAX_STREAMS}, got {self.streams}")
         if not 0 <= self.overlap_steps < self.outer_steps:
