@@ -59,7 +59,8 @@ class Spec:
     outer_steps: int = 10
     overlap: int = 0
     outer_compression: str = "fp16"
-    # the runs calibrated (12-04) the store transport; p2p became geoshard train's default after them
+    # C1-C6 and V1-V20 (12-04) ran the store transport; p2p became geoshard train's default after
+    # them, and C7-C8 / V21-V25 run it (rows without the key are store runs)
     outer_transport: str = "store"
 
 
@@ -72,6 +73,11 @@ CALIBRATION = (
     # DiLoCo with a two-rank region: the only DDP without a WAN hop (bucket_s; a one-rank region runs
     # no DDP); a pseudo-gradient 1.6x C4's, so the store's per-byte and per-request costs separate
     Spec("C6", "diloco", ranks=TWO, hidden=1024, outer_steps=6),
+    # The peer-to-peer transport (train's default): two pseudo-gradient sizes, so its per-byte host
+    # passes (prepare, MAC, step, gather) separate from its fixed trips; C8 has a two-rank region
+    # (shards over two owners there, the in-region gather)
+    Spec("C7", "diloco", hidden=768, outer_steps=8, outer_transport="p2p"),
+    Spec("C8", "diloco", ranks=TWO, hidden=1024, outer_steps=6, outer_transport="p2p"),
 )
 
 VALIDATION = (
@@ -95,6 +101,11 @@ VALIDATION = (
     Spec("V18", "diloco", ranks=TWO, outer_steps=10),
     Spec("V19", "diloco", outer_steps=10, outer_compression="none"),
     Spec("V20", "diloco", outer_steps=10, remote=True),
+    Spec("V21", "diloco", outer_steps=5, outer_transport="p2p"),
+    Spec("V22", "diloco", outer_steps=10, overlap=5, outer_transport="p2p"),
+    Spec("V23", "diloco", hidden=1024, outer_steps=20, overlap=10, outer_transport="p2p"),
+    Spec("V24", "diloco", ranks=TWO, hidden=768, outer_steps=10, outer_transport="p2p"),
+    Spec("V25", "diloco", outer_steps=10, remote=True, outer_transport="p2p"),
 )
 
 # report.json's figures compared; shares and seconds are relative errors of the figure itself.
@@ -207,9 +218,21 @@ def run_one(spec: Spec, wan: Any, net: Any, endpoints: dict[str, str], env: dict
     # Each round's wait (the slowest region's), not compared: the first one also waits for the
     # regions' start-up skew, which a model of it would be fitted from.
     rounds = [r["sync_s"] for r in (rep.get("outer") or {}).get("rounds", [])]
-    row = {"spec": spec.__dict__, "seconds": round(seconds, 1), "measured": measured, "pairs": crossed, "plan": str(plan), "load": load}
+    row = {"phases": round_phases(out)} if spec.outer_transport == "p2p" and spec.sync == "diloco" else {}
+    row |= {"spec": spec.__dict__, "seconds": round(seconds, 1), "measured": measured, "pairs": crossed, "plan": str(plan), "load": load}
     row["load_during"] = sampled.summary()
     return {**row, "outer_rounds_s": rounds}
+
+
+def round_phases(out: Path) -> list[dict[str, Any]]:
+    """Every region leader's p2p round records: where each round's exchange went (``phases``)."""
+    from geoshard.trainer.diloco.record import read_rounds
+
+    return [
+        {"region": r.region, "round": r.round, "exchange_s": round(r.exchange_s, 4), "sync_s": round(r.sync_s, 4), "phases": dict(r.phases)}
+        for r in read_rounds(out)
+        if r.event == "round"
+    ]
 
 
 class LoadSampler:
@@ -345,7 +368,7 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
     for row in rows:
         cfg = at(row, replace(k, store_request_s=0.0, store_byte_s=0.0))
         rounds = row.get("outer_rounds_s") or []
-        if cfg.sync != "diloco" or not row["measured"]["outer_sync_s_mean"] or cfg.outer_overlap:
+        if cfg.sync != "diloco" or cfg.outer_transport != "store" or not row["measured"]["outer_sync_s_mean"] or cfg.outer_overlap:
             continue
         # the median: C6's second round (11.1 s against 3-4 s after it) also waited for a late start
         later = statistics.median(rounds[1:]) if len(rounds) > 1 else row["measured"]["outer_sync_s_mean"]
