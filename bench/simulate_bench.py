@@ -286,7 +286,10 @@ def predict_one(row: dict[str, Any], constants: Path, args: argparse.Namespace) 
     if r.returncode:
         raise RuntimeError(f"simulate failed for {spec.name}: {r.stderr.strip()}")
     rep = json.loads(r.stdout)
-    return {**figures(rep), "wan_bytes": sum(e["bytes"] for e in rep["egress"])}
+    out = {**figures(rep), "wan_bytes": sum(e["bytes"] for e in rep["egress"])}
+    if (rep.get("outer") or {}).get("phases"):
+        out["phases"] = rep["outer"]["phases"]  # one round's, to set beside the records' (not a compared metric)
+    return out
 
 
 def slowdown(row: dict[str, Any]) -> float:
@@ -386,7 +389,80 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
     for row, excess in firsts:
         regions = predict(at(row, k)).regions
         skews.append(excess - (max(x.time_to_first_batch_s for x in regions) - min(x.time_to_first_batch_s for x in regions)))
-    return replace(k, startup_skew_s=round(max(0.0, statistics.median(skews)), 4) if skews else k.startup_skew_s)
+    k = replace(k, startup_skew_s=round(max(0.0, statistics.median(skews)), 4) if skews else k.startup_skew_s)
+    return fit_p2p(rows, k, at)
+
+
+# The p2p round's phases (trainer/diloco/p2p.py) and the constant each one gives (sim/p2p.py).
+PER_VALUE = {
+    "prepare": "p2p_prepare_value_s",
+    "mac_publish": "p2p_mac_value_s",
+    "mac_check": "p2p_check_value_s",
+    "step": "p2p_step_value_s",
+}
+
+
+def fit_p2p(rows: list[dict[str, Any]], k: Any, at: Any) -> Any:
+    """The p2p round's constants from the calibration runs' round records (``phases``), per unit
+    of host slowdown where a constant is the host's: each pass's seconds a value by least squares
+    on the values the region's leader owns (its intercept goes to ``p2p_fixed_s``), the gather's
+    over the whole vector in regions of 2+ ranks, the members' per-request cost over their trips,
+    the groups from the rounds that made them; the start-up skew as the store's."""
+    from geoshard.sim import predict
+    from geoshard.sim.links import round_trip_s
+
+    recs, firsts, groups = [], [], []  # (row, cfg, record) of every region's rounds after the first; the first
+    for row in rows:
+        cfg = at(row, k)
+        if cfg.sync != "diloco" or cfg.outer_transport != "p2p" or not row.get("phases"):
+            continue
+        for rec in row["phases"]:
+            if rec["phases"].get("groups", 0.0) > 0.2:  # the rounds that made the shards' groups
+                groups.append(rec["phases"]["groups"] / slowdown(row))
+            (firsts if rec["round"] == 1 else recs).append((row, cfg, rec))
+    if not recs:
+        return k
+    values: dict[str, Any] = {}
+    intercepts = 0.0
+    for phase, name in PER_VALUE.items():
+        xs, ys = [], []
+        for row, cfg, rec in recs:
+            n = {g.name: g.ranks for g in cfg.regions}[rec["region"]]
+            xs.append(cfg.params / n)  # the values the leader owns
+            ys.append(rec["phases"].get(phase, 0.0) / slowdown(row))
+        slope, intercept = _line(xs, ys) if len(set(xs)) > 1 else (0.0, statistics.median(ys))
+        if slope < 0:
+            slope, intercept = 0.0, statistics.median(ys)
+        values[name] = float(f"{slope:.4g}")
+        intercepts += max(0.0, intercept)
+    gathered = [
+        rec["phases"].get("gather", 0.0) / slowdown(row) / cfg.params
+        for row, cfg, rec in recs
+        if {g.name: g.ranks for g in cfg.regions}[rec["region"]] > 1
+    ]
+    values["p2p_gather_value_s"] = float(f"{statistics.median(gathered):.4g}") if gathered else k.p2p_gather_value_s
+    rest = [(rec["phases"].get("region_agree", 0.0) + rec["phases"].get("other", 0.0)) / slowdown(row) for row, _, rec in recs]
+    values["p2p_fixed_s"] = round(statistics.median(rest) + intercepts, 4)
+    per_request = []
+    for _, cfg, rec in recs:
+        store = cfg.regions[0].name
+        trip = max(round_trip_s(cfg.link(g.name, store), k) for g in cfg.regions)
+        per_request.append(rec["phases"].get("members", 0.0) / k.p2p_member_trips - trip)
+    values["p2p_request_s"] = round(max(0.0, statistics.median(per_request)), 4)
+    values["p2p_groups_s"] = round(statistics.median(groups), 4) if groups else 0.0
+    k = replace(k, **values)
+    # The start-up skew: the first round's excess (its slowest region's wait) over the later rounds'
+    # median, less the spread of the first batches and the groups made in it (the model adds both).
+    skews = []
+    for row in rows:
+        cfg = at(row, k)
+        rounds = row.get("outer_rounds_s") or []
+        if cfg.outer_transport != "p2p" or cfg.sync != "diloco" or cfg.outer_overlap or len(rounds) < 2:
+            continue
+        regions = predict(cfg).regions
+        spread = max(x.time_to_first_batch_s for x in regions) - min(x.time_to_first_batch_s for x in regions)
+        skews.append(rounds[0] - statistics.median(rounds[1:]) - spread - k.p2p_groups_s * slowdown(row))
+    return replace(k, p2p_startup_skew_s=round(max(0.0, statistics.median(skews)), 4) if skews else k.p2p_startup_skew_s)
 
 
 def _store_costs(requests: list[int], nbytes: list[float], rest: list[float]) -> tuple[float, float]:
@@ -627,9 +703,17 @@ def refit(args: argparse.Namespace) -> int:
         row["predicted"] = predict_one(row, path, args)
     res["errors"] = errors(res["validation"])
     res["errors_calibration"] = errors(res["calibration"])
+    p2p = [r for r in res["validation"] if r["spec"].get("outer_transport") == "p2p"]
+    if p2p:  # the p2p rows apart, and the rest as they were (the store's 20)
+        res["errors_p2p"] = errors(p2p)
+        res["errors_store"] = errors([r for r in res["validation"] if r not in p2p])
     args.json_out.write_text(json.dumps(res, indent=1))
     print(res["constants"])
     print(markdown(res))
+    for key, title in (("errors_p2p", "p2p validation runs alone:"), ("errors_store", "the other validation runs:")):
+        if key in res:
+            print(title)
+            print(markdown(res, key))
     print("calibration runs (their own fit):")
     print(markdown(res, "errors_calibration"))
     print(f"JSON: {args.json_out} ({len(res['validation'])} validation runs; constants {path})")

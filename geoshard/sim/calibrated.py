@@ -45,6 +45,9 @@ REHEARSAL = Constants(
 WAN = dataclasses.replace(REHEARSAL, ceiling_mb_s=None, mss=1448, rto_min_s=0.2, local_mb_s=12_500.0, startup_skew_s=0.0)
 
 
+INT_KEYS = ("mss", "init_cwnd", "gloo_threads", "outer_trips_before", "outer_trips_after", "p2p_member_trips")
+
+
 def load_constants(path: Path | None, base: Constants) -> Constants:
     """``base`` with the numbers of a ``[constants]`` TOML table (``--constants FILE``); one line naming a bad key."""
     if path is None:
@@ -60,7 +63,7 @@ def load_constants(path: Path | None, base: Constants) -> Constants:
             raise ConfigError(f"{path}: constants.{key}: unknown key (known: {', '.join(k for k in known if k != 'tier_mb_s')})")
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
             raise ConfigError(f"{path}: constants.{key}: must be a number >= 0, got {v!r}")
-        values[key] = int(v) if key in ("mss", "init_cwnd", "gloo_threads", "outer_trips_before", "outer_trips_after") else float(v)
+        values[key] = int(v) if key in INT_KEYS else float(v)
     return dataclasses.replace(base, **values)
 
 

@@ -49,6 +49,7 @@ class Prediction:
     outer_sync_s_mean: float  # what the job waits per round (report.json's outer.sync_s_mean)
     outer_bytes: float  # over all rounds (report.json's outer.bytes)
     outer_calibrated: bool
+    outer_phases: tuple[tuple[str, float], ...]  # p2p: one round's seconds per phase (the round records' names)
     cross_region_data_bytes: float
     regions: tuple[RegionPrediction, ...]
     pair_bytes: tuple[tuple[str, str, float], ...]  # (from, to, bytes over the run)
@@ -82,6 +83,7 @@ class Prediction:
                 "round_s": _r(self.outer_round_s),
                 "bytes": round(self.outer_bytes),
                 "calibrated": self.outer_calibrated,
+                **({"phases": {k: _r(v) for k, v in self.outer_phases}} if self.outer_phases else {}),
             },
             "regions": {
                 g.name: {
@@ -121,7 +123,7 @@ def predict(cfg: SimConfig) -> Prediction:
     rnd = outer.exchange_round(cfg) if cfg.sync == "diloco" else outer.OuterRound(0.0, 0.0, ())
     rounds = cfg.steps // cfg.outer_steps if cfg.sync == "diloco" and len(cfg.regions) > 1 else 0
     skew = outer.startup_skew_s([x.time_to_first_batch_s for x in loaders], cfg)
-    round_wait = outer.mean_round_wait_s(rnd.seconds, cfg, step, skew) if rounds else 0.0
+    round_wait = outer.mean_round_wait_s(rnd.seconds, cfg, step, skew + rnd.first_extra_s) if rounds else 0.0
     first = max(x.time_to_first_batch_s for x in loaders)
     # Under DiLoCo the first round's wait holds the spread of the regions' first batches (``skew``):
     # a region that started early waits it there, so its wall runs from its own first batch, the
@@ -174,6 +176,7 @@ def predict(cfg: SimConfig) -> Prediction:
         outer_sync_s_mean=round_wait,
         outer_bytes=rnd.bytes * rounds,
         outer_calibrated=rnd.calibrated,
+        outer_phases=rnd.phases,
         cross_region_data_bytes=sum(x.egress_bytes for x in loaders),
         regions=regions,
         pair_bytes=tuple((a, b, n) for (a, b), n in sorted(pairs.items())),
