@@ -404,14 +404,15 @@ PER_VALUE = {
 
 def fit_p2p(rows: list[dict[str, Any]], k: Any, at: Any) -> Any:
     """The p2p round's constants from the calibration runs' round records (``phases``), per unit
-    of host slowdown where a constant is the host's: each pass's seconds a value by least squares
-    on the values the region's leader owns (its intercept goes to ``p2p_fixed_s``), the gather's
-    over the whole vector in regions of 2+ ranks, the members' per-request cost over their trips,
-    the groups from the rounds that made them; the start-up skew as the store's."""
+    of host slowdown (all of them are the host's): each pass's seconds a value by least squares on
+    the values the region's leader owns, the gather's over the whole vector in regions of 2+ ranks,
+    the groups from the rounds that made them; then ``p2p_fixed_s``, what the slowest region waits
+    beyond the model's terms (the regions' arrival skew, the region's agreement: the median of the
+    rounds after the first), and the start-up skew as the store's (the first round's excess)."""
     from geoshard.sim import predict
-    from geoshard.sim.links import round_trip_s
+    from geoshard.sim.p2p import p2p_round
 
-    recs, firsts, groups = [], [], []  # (row, cfg, record) of every region's rounds after the first; the first
+    recs, groups = [], []  # (row, ranks in the record's region, record) of every region's rounds
     for row in rows:
         cfg = at(row, k)
         if cfg.sync != "diloco" or cfg.outer_transport != "p2p" or not row.get("phases"):
@@ -419,49 +420,31 @@ def fit_p2p(rows: list[dict[str, Any]], k: Any, at: Any) -> Any:
         for rec in row["phases"]:
             if rec["phases"].get("groups", 0.0) > 0.2:  # the rounds that made the shards' groups
                 groups.append(rec["phases"]["groups"] / slowdown(row))
-            (firsts if rec["round"] == 1 else recs).append((row, cfg, rec))
+            recs.append((row, cfg, {g.name: g.ranks for g in cfg.regions}[rec["region"]], rec))
     if not recs:
         return k
     values: dict[str, Any] = {}
-    intercepts = 0.0
     for phase, name in PER_VALUE.items():
-        xs, ys = [], []
-        for row, cfg, rec in recs:
-            n = {g.name: g.ranks for g in cfg.regions}[rec["region"]]
-            xs.append(cfg.params / n)  # the values the leader owns
-            ys.append(rec["phases"].get(phase, 0.0) / slowdown(row))
-        slope, intercept = _line(xs, ys) if len(set(xs)) > 1 else (0.0, statistics.median(ys))
-        if slope < 0:
-            slope, intercept = 0.0, statistics.median(ys)
-        values[name] = float(f"{slope:.4g}")
-        intercepts += max(0.0, intercept)
-    gathered = [
-        rec["phases"].get("gather", 0.0) / slowdown(row) / cfg.params
-        for row, cfg, rec in recs
-        if {g.name: g.ranks for g in cfg.regions}[rec["region"]] > 1
-    ]
+        xs = [cfg.params / n for _, cfg, n, _ in recs]  # the values the region's leader owns
+        ys = [rec["phases"].get(phase, 0.0) / slowdown(row) for row, _, _, rec in recs]
+        slope = _line(xs, ys)[0] if len(set(xs)) > 1 else statistics.median(y / x for x, y in zip(xs, ys, strict=True))
+        values[name] = float(f"{max(0.0, slope):.4g}")
+    gathered = [rec["phases"].get("gather", 0.0) / slowdown(row) / cfg.params for row, cfg, n, rec in recs if n > 1]
     values["p2p_gather_value_s"] = float(f"{statistics.median(gathered):.4g}") if gathered else k.p2p_gather_value_s
-    rest = [(rec["phases"].get("region_agree", 0.0) + rec["phases"].get("other", 0.0)) / slowdown(row) for row, _, rec in recs]
-    values["p2p_fixed_s"] = round(statistics.median(rest) + intercepts, 4)
-    per_request = []
-    for _, cfg, rec in recs:
-        store = cfg.regions[0].name
-        trip = max(round_trip_s(cfg.link(g.name, store), k) for g in cfg.regions)
-        per_request.append(rec["phases"].get("members", 0.0) / k.p2p_member_trips - trip)
-    values["p2p_request_s"] = round(max(0.0, statistics.median(per_request)), 4)
     values["p2p_groups_s"] = round(statistics.median(groups), 4) if groups else 0.0
-    k = replace(k, **values)
-    # The start-up skew: the first round's excess (its slowest region's wait) over the later rounds'
-    # median, less the spread of the first batches and the groups made in it (the model adds both).
-    skews = []
+    k = replace(k, **values, p2p_fixed_s=0.0)
+    rest, skews = [], []
     for row in rows:
         cfg = at(row, k)
         rounds = row.get("outer_rounds_s") or []
         if cfg.outer_transport != "p2p" or cfg.sync != "diloco" or cfg.outer_overlap or len(rounds) < 2:
             continue
+        later = statistics.median(rounds[1:])
+        rest.append((later - p2p_round(cfg).seconds) / slowdown(row))
         regions = predict(cfg).regions
         spread = max(x.time_to_first_batch_s for x in regions) - min(x.time_to_first_batch_s for x in regions)
-        skews.append(rounds[0] - statistics.median(rounds[1:]) - spread - k.p2p_groups_s * slowdown(row))
+        skews.append(rounds[0] - later - spread - k.p2p_groups_s * slowdown(row))
+    k = replace(k, p2p_fixed_s=round(max(0.0, statistics.median(rest)), 4) if rest else 0.0)
     return replace(k, p2p_startup_skew_s=round(max(0.0, statistics.median(skews)), 4) if skews else k.p2p_startup_skew_s)
 
 

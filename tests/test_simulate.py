@@ -137,12 +137,11 @@ def test_the_store_rounds_own_cost_per_byte_and_hierarchicals_per_message() -> N
         assert more.seconds - plain.seconds == pytest.approx(extra)
 
 
-# The p2p round's constants, round numbers: 8 store trips of the slowest round trip to the store
-# (ap-southeast-1 - us-east-1, 0.22 s) + 0.01 s each; host passes of 1-4·10^-8 s a value.
+# The p2p round's constants, round numbers: 5 store trips of the slowest round trip to the store
+# (ap-southeast-1 - us-east-1, 0.22 s); host passes of 1-5·10^-8 s a value.
 P2P = Constants(
     mss=1000,
     init_cwnd=10,
-    p2p_request_s=0.01,
     p2p_groups_s=2.0,
     p2p_prepare_value_s=1e-8,
     p2p_mac_value_s=2e-8,
@@ -165,12 +164,12 @@ def test_p2p_round_by_its_phases_by_hand() -> None:
     wire = 0.11 + 5 * 0.22 + 23_333.33 / 1.5625e6 + 4 * 0.22
     assert p2p.ring_seconds(cfg, 2e6) == pytest.approx(wire, rel=1e-6)
     phases = dict(rnd.phases)
-    assert phases["members"] == pytest.approx(8 * (0.22 + 0.01))
+    assert phases["members"] == pytest.approx(5 * 0.22)
     # one-rank regions: a rank owns all 10^6 values; the MAC publish runs under the transfer
     assert (phases["prepare"], phases["mac_publish"], phases["mac_check"], phases["step"]) == pytest.approx((0.01, 0.02, 0.03, 0.04))
     assert phases["transfer"] == pytest.approx(wire - 0.02, rel=1e-6)
     assert phases["gather"] == 0.0 and phases["other"] == 0.05
-    assert rnd.seconds == pytest.approx(8 * 0.23 + 0.01 + wire + 0.03 + 0.04 + 0.05, rel=1e-6)
+    assert rnd.seconds == pytest.approx(5 * 0.22 + 0.01 + wire + 0.03 + 0.04 + 0.05, rel=1e-6)
     assert rnd.first_extra_s == 2.0 and rnd.calibrated
     # gloo's ring sends to the previous rank: us-east-1 -> ap-southeast-1 -> eu-west-1 -> us-east-1
     assert [(a, b) for a, b, _ in rnd.pair_bytes] == [(US, AP), (EU, US), (AP, EU)]
@@ -198,7 +197,7 @@ def test_p2p_first_round_adds_its_groups_and_its_own_skew() -> None:
     assert p.outer_sync_s_mean - flat.outer_sync_s_mean == pytest.approx((2.0 + 0.3) / 3, rel=1e-3)
     assert outer.startup_skew_s([1.0, 1.5], three(outer_transport="p2p", constants=k)) == pytest.approx(0.8)
     assert outer.startup_skew_s([1.0, 1.5], three(constants=k)) == pytest.approx(5.5)
-    assert p.to_report()["outer"]["phases"]["members"] == pytest.approx(8 * 0.23)
+    assert p.to_report()["outer"]["phases"]["members"] == pytest.approx(5 * 0.22)
 
 
 def test_int8_and_fp8_rounds_carry_a_byte_a_value_and_their_block_scales() -> None:

@@ -81,8 +81,9 @@ class Constants:
     # The peer-to-peer round (sim/p2p.py, trainer/diloco/p2p.py's phases). Host passes are seconds
     # a value of the shards a rank owns (one pass each); the MAC check's and the gather's are apart
     # from the rest so that a refit after they overlap the transfer is one command.
-    p2p_member_trips: int = 8  # the leaders' store round trips to decide a round (ready, roster, wait, close, members)
-    p2p_request_s: float = 0.0  # each one's own cost beyond its round trip
+    # the slowest leader's store round trips once the last region is ready: it sees that ready
+    # key, reads it, asks to close, waits for the members, reads them (membership.py ``decide``)
+    p2p_member_trips: int = 5
     p2p_groups_s: float = 0.0  # the shards' gloo groups, made at once in the first round
     p2p_prepare_value_s: float = 0.0  # pseudo-gradient and its cast
     p2p_mac_value_s: float = 0.0  # the MAC projections published (while the chunks travel)

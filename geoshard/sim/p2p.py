@@ -3,10 +3,10 @@
 The trainer times each round in the phases its records carry (``rounds-<region>.jsonl``,
 ``phases``); the model has one term per phase, so a prediction and a run compare phase by phase:
 
-- ``members``: the region leaders decide the round through the store beside the first region
-  (ready key, roster, wait for the others, close, members: ``p2p_member_trips`` round trips to
-  the store's region, each also ``p2p_request_s``), then the leader broadcasts the decision in
-  its region.
+- ``members``: the region leaders decide the round through the store beside the first region;
+  once the last region is ready, the farthest leader still sees its ready key, reads it, asks to
+  close, waits for the members and reads them: ``p2p_member_trips`` round trips to the store's
+  region (membership.py); then each leader broadcasts the decision in its region.
 - ``groups``: the shards' gloo groups, made at once, in the first round only (round 0's or round
   1's; reused while the members stay): ``p2p_groups_s``, fitted.
 - ``prepare``, ``mac_publish``, ``mac_check``, ``step``: one pass each over the values a rank owns
@@ -21,7 +21,9 @@ The trainer times each round in the phases its records carry (``rounds-<region>.
   (each flow ramps on its own: links.delivered_s at its share of the rate).
 - ``gather``: in a region of n > 1 ranks, every rank receives the fp32 shards it does not own
   from their owners: ``p2p_gather_value_s`` a value of the whole vector, fitted (0 in a one-rank region).
-- ``region_agree`` and ``other``: ``p2p_fixed_s`` a round, fitted.
+- ``other``: ``p2p_fixed_s`` a round, fitted as what the slowest region waits beyond the terms
+  above: the regions' arrival skew (the first region to arrive waits in ``members`` for the last),
+  the region's agreement, the rest.
 - int8/fp8 (``--outer-compression``): reduce-scatter then all-gather in the codec's bytes (1 byte a
   value and a 4-byte scale per 1,024 values: the same 2(m-1)/m on every directed link), an exact
   HMAC of every piece that arrives (``p2p_hmac_byte_s`` a byte) and a decode, sum and re-encode
@@ -69,7 +71,7 @@ def p2p_round(cfg: SimConfig) -> OuterRound:
         return OuterRound(0.0, 0.0, ())
     names = [r.name for r in cfg.regions]
     store = names[0]  # geoshard train hosts the store beside the first region
-    trip = max(round_trip_s(cfg.link(r, store), k) for r in names) + k.p2p_request_s
+    trip = max(round_trip_s(cfg.link(r, store), k) for r in names)
     owned = cfg.params / min(r.ranks for r in cfg.regions)  # the values the busiest rank owns
     gather = cfg.params * k.p2p_gather_value_s if max(r.ranks for r in cfg.regions) > 1 else 0.0
     wire = ring_seconds(cfg, p)
