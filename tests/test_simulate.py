@@ -357,10 +357,10 @@ def test_diloco_in_region_sync_is_zero_only_without_a_peer_in_any_region() -> No
     assert ex.seconds == pytest.approx((2 * (ring + 0.01) + 2 * 0.0) / 4) and ex.cross_bytes == 0
 
 
-def test_overhead_is_paid_per_micro_batch_and_step_time_per_step() -> None:
+def test_overhead_and_step_time_are_paid_per_step_flops_per_micro_batch() -> None:
     k = Constants(cpu_gflops=1.0, step_overhead_s=0.05)
     cfg = three(sync="flat", step_time=0.2, batch_size=10, accum_steps=4, constants=k)
-    assert compute_s(cfg) == pytest.approx(6 * 1_000_000 * 40 / 1e9 + 0.2 + 4 * 0.05)
+    assert compute_s(cfg) == pytest.approx(6 * 1_000_000 * 40 / 1e9 + 0.2 + 0.05)
 
 
 def test_simconfig_refuses_a_missing_link_and_a_bad_overlap() -> None:

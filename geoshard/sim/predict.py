@@ -1,7 +1,7 @@
 """Composes the model's parts into one ``Prediction`` whose fields carry report.json's names.
 
 Per rank and optimizer step: compute = the model's forward and backward (6 x params x samples
-flops at ``cpu_gflops``) + ``--step-time`` + the loop's own ``step_overhead_s`` per micro-batch; then the gradient
+flops at ``cpu_gflops``) + ``--step-time`` + the loop's own ``step_overhead_s`` per step; then the gradient
 exchange (grad.py), the IO wait after the first batch (loader.py), checkpoints, and under DiLoCo
 the rounds' waits (outer.py) spread over their H steps. A rank's wall time is the first batch plus
 its steps; utilization is compute over wall, as report.json computes it.
@@ -101,13 +101,15 @@ class Prediction:
 
 
 def compute_s(cfg: SimConfig) -> float:
-    """One optimizer step's compute on one rank, without any exchange. ``step_overhead_s`` is paid
-    per micro-batch: each is its own forward and backward, batch hand-off and turn of the loop
-    (on a loaded host, its own wait for a core); ``--step-time`` once per optimizer step, as the
-    trainer sleeps it (trainer/loop.py)."""
+    """One optimizer step's compute on one rank, without any exchange: the micro-batches' flops,
+    ``--step-time`` once (the trainer sleeps it once per optimizer step, trainer/loop.py) and
+    ``step_overhead_s`` once. The overhead was modelled per micro-batch until the accumulation
+    runs (C3, V2, V3, V9 of simulate_bench) showed it is not: on this loaded host a step's
+    overhead is its wait for a core, once a step; per micro-batch they were predicted 1.3-1.9x
+    their utilization."""
     k = cfg.constants
     samples = cfg.batch_size * cfg.accum_steps
-    return 6 * cfg.params * samples / (k.cpu_gflops * 1e9) + cfg.step_time + cfg.accum_steps * k.step_overhead_s
+    return 6 * cfg.params * samples / (k.cpu_gflops * 1e9) + cfg.step_time + k.step_overhead_s
 
 
 def predict(cfg: SimConfig) -> Prediction:
