@@ -406,8 +406,8 @@ PER_VALUE = {
 
 def fit_p2p(rows: list[dict[str, Any]], k: Any, at: Any) -> Any:
     """The p2p round's constants from the calibration runs' round records (``phases``), per unit
-    of host slowdown (all of them are the host's): each pass's seconds a value by least squares on
-    the values the region's leader owns, the gather's over the whole vector in regions of 2+ ranks,
+    of host slowdown (all of them are the host's): each pass's seconds a value (the median over
+    every region's rounds, over the values the region's leader owns), the gather's over the whole vector in regions of 2+ ranks,
     the groups from the rounds that made them; then ``p2p_fixed_s``, what the slowest region waits
     beyond the model's terms (the regions' arrival skew, the region's agreement: the median of the
     rounds after the first), and the start-up skew as the store's (the first round's excess)."""
@@ -429,8 +429,9 @@ def fit_p2p(rows: list[dict[str, Any]], k: Any, at: Any) -> Any:
     for phase, name in PER_VALUE.items():
         xs = [cfg.params / n for _, cfg, n, _ in recs]  # the values the region's leader owns
         ys = [rec["phases"].get(phase, 0.0) / slowdown(row) for row, _, _, rec in recs]
-        slope = _line(xs, ys)[0] if len(set(xs)) > 1 else statistics.median(y / x for x, y in zip(xs, ys, strict=True))
-        values[name] = float(f"{max(0.0, slope):.4g}")
+        # the median seconds a value, not a least-squares slope: a few rounds where a pass waited
+        # for a core (C8's mac_check 0.55-0.78 s against a median of 0.15 s) would set the slope
+        values[name] = float(f"{max(0.0, statistics.median(y / x for x, y in zip(xs, ys, strict=True))):.4g}")
     gathered = [rec["phases"].get("gather", 0.0) / slowdown(row) / cfg.params for row, cfg, n, rec in recs if n > 1]
     values["p2p_gather_value_s"] = float(f"{statistics.median(gathered):.4g}") if gathered else k.p2p_gather_value_s
     values["p2p_groups_s"] = round(statistics.median(groups), 4) if groups else 0.0
