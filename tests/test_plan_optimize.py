@@ -93,7 +93,10 @@ def test_known_answer_the_slow_expensive_region_reads_nothing_across_and_diloco_
     assert _option(rep, SA, f"reads {US}'s bucket")["refused"] == f"waits {sa_wait:.1%}"
     per_region = rep["predicted"]["regions"]
     assert per_region[SA]["cross_region_data_bytes"] == 0 and per_region[EU]["cross_region_data_bytes"] > 0
-    assert not any(e["from"] == SA and e["bytes"] > 0 for e in rep["predicted"]["egress"] if e["to"] != US)
+    # sa-east-1 sends only its share of DiLoCo's rounds, peer to peer: gloo's ring sends to the
+    # previous region (us-east-1 -> sa-east-1 -> eu-west-1 -> us-east-1), a third of the rounds' bytes
+    sent = {e["to"]: e["bytes"] for e in rep["predicted"]["egress"] if e["from"] == SA and e["bytes"] > 0}
+    assert list(sent) == [EU] and sent[EU] == pytest.approx(rep["predicted"]["outer"]["bytes"] / 3, rel=1e-6)
     assert rep["sync"]["train_args"][:2] == ["--sync", "diloco"] and rep["meets_budgets"]
     rejected = {x["candidate"].split(" ")[0]: x["why"] for x in rep["rejected"]}
     assert re.match(r"utilization \d+\.\d% < 80\.0% \(short by \d+\.\d points\)", rejected["flat"]), rejected
