@@ -34,6 +34,10 @@ class OuterRound:
     pair_bytes: tuple[tuple[str, str, float], ...]  # (from, to, bytes per round) between regions
     calibrated: bool = True
     first_extra_s: float = 0.0  # the first round's own extra (p2p: its gloo groups made)
+    # Of ``seconds``, what the first region to arrive waits for the last (p2p): in the slowest
+    # region's wait (report.json's sync_s), not in a rank's wall, where the region that arrived
+    # last made it up in slower steps.
+    arrival_s: float = 0.0
     phases: tuple[tuple[str, float], ...] = ()  # (phase, seconds) as the trainer's p2p round records name them
 
 

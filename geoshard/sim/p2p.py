@@ -93,4 +93,4 @@ def p2p_round(cfg: SimConfig) -> OuterRound:
     carried = 2 * (m - 1) / m * p
     pairs = tuple((names[i], names[i - 1], carried) for i in range(m))  # gloo's ring sends to the previous rank
     calibrated = cfg.outer_compression in SUMMABLE  # int8/fp8's codec and HMAC constants: no run yet
-    return OuterRound(sum(s for _, s in phases), m * carried, pairs, calibrated, first_extra_s=k.p2p_groups_s, phases=phases)
+    return OuterRound(sum(s for _, s in phases), m * carried, pairs, calibrated, k.p2p_groups_s, min(k.p2p_fixed_s, phases[-1][1]), phases)

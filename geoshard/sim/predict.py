@@ -132,9 +132,11 @@ def predict(cfg: SimConfig) -> Prediction:
     # earliest; counting the latest first batch as well would count the spread twice. (Flat and
     # hierarchical wait the spread in the first step's all-reduce: their wall runs from the latest.)
     start = min(x.time_to_first_batch_s for x in loaders) if rounds else first
-    wall = start + cfg.steps * step + rounds * round_wait
+    # a rank's wall holds the rounds' waits less the regions' arrival skew (made up in slower steps)
+    in_wall = outer.mean_round_wait_s(rnd.seconds - rnd.arrival_s, cfg, step, skew + rnd.first_extra_s) if rounds else 0.0
+    wall = start + cfg.steps * step + rounds * in_wall
     # report.json's IO wait share after the first batch is over the wall after it, rounds' waits included
-    after = step + rounds * round_wait / cfg.steps
+    after = step + rounds * in_wall / cfg.steps
     utilization = min(1.0, cfg.steps * compute / wall) if wall > 0 else 0.0
 
     pairs: dict[tuple[str, str], float] = {}
