@@ -7,11 +7,12 @@ region's address (``Rehearsal.expose``), every packet between regions behind ``-
 trained with ``launch_regions`` inside the namespaces (what ``geoshard train --regions --wan``
 does) and predicted with ``geoshard simulate --json --rehearsal`` from the same options.
 
-Two sets, never mixed: ``CALIBRATION`` (C1-C6) fits the model's few constants (the built-in
+Two sets, never mixed: ``CALIBRATION`` (C1-C8; C7-C8 on the p2p transport) fits the model's few constants (the built-in
 model's CPU rate and per-step overhead, the loader's start-up, the comm hook's cost per bucket,
 the per-message overhead of gloo's ring steps and hierarchical's extra, the store's per-request
-and per-byte cost, the first DiLoCo round's start-up skew); each run samples the host's load
-through itself for the host slowdown; ``VALIDATION`` (20 configurations: flat / hierarchical / DiLoCo,
+and per-byte cost, the first DiLoCo round's start-up skew, the p2p round's per-value passes, gather
+and residual from its round records' phases); each run samples the host's load
+through itself for the host slowdown; ``VALIDATION`` (25 configurations: flat / hierarchical / DiLoCo on the store and on p2p,
 H, overlap, accumulation, fp16, local vs remote data, 1-3 ranks per region) is predicted with
 those constants and the forwarder ceiling this rehearsal measured at its start, and compared per
 metric: median absolute relative error and the worst configuration.
