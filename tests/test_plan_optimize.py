@@ -345,9 +345,9 @@ def test_a_proposal_run_under_the_rehearsal_lands_within_20_percent_on_utilizati
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the WAN rehearsal needs root (CAP_NET_ADMIN)")
 @pytest.mark.xfail(
-    reason="the sim's calibration is not there yet on this machine: in the 2026-12-04 16:39 run (load 2-4) it predicted "
-    "a wait of 3.56 s for the one overlapped DiLoCo round (REHEARSAL's fitted 7 s start-up skew, measured at load 8-14) "
-    "against 0.08 s measured, and a first batch of 0.36 s against 0.11 s",
+    reason="the sim's calibration is not there yet on this machine: in the 2026-12-04 20:02 run (p2p, load 1-4) the "
+    "overlapped DiLoCo round's wait held (0.19 s predicted, 0.21 s measured; on the store at 16:39 3.56 s against 0.08 s), "
+    "but the first batch did not (0.34 s against 0.05 s) nor the IO wait share (0.0014 against 0.0062)",
     strict=False,
 )
 def test_the_other_reported_fields_land_within_20_percent(rehearsed: Rehearsed) -> None:
