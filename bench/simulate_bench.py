@@ -7,11 +7,12 @@ region's address (``Rehearsal.expose``), every packet between regions behind ``-
 trained with ``launch_regions`` inside the namespaces (what ``geoshard train --regions --wan``
 does) and predicted with ``geoshard simulate --json --rehearsal`` from the same options.
 
-Two sets, never mixed: ``CALIBRATION`` (C1-C6) fits the model's few constants (the built-in
+Two sets, never mixed: ``CALIBRATION`` (C1-C8; C7-C8 on the p2p transport) fits the model's few constants (the built-in
 model's CPU rate and per-step overhead, the loader's start-up, the comm hook's cost per bucket,
 the per-message overhead of gloo's ring steps and hierarchical's extra, the store's per-request
-and per-byte cost, the first DiLoCo round's start-up skew); each run samples the host's load
-through itself for the host slowdown; ``VALIDATION`` (20 configurations: flat / hierarchical / DiLoCo,
+and per-byte cost, the first DiLoCo round's start-up skew, the p2p round's per-value passes, gather
+and residual from its round records' phases); each run samples the host's load
+through itself for the host slowdown; ``VALIDATION`` (25 configurations: flat / hierarchical / DiLoCo on the store and on p2p,
 H, overlap, accumulation, fp16, local vs remote data, 1-3 ranks per region) is predicted with
 those constants and the forwarder ceiling this rehearsal measured at its start, and compared per
 metric: median absolute relative error and the worst configuration.
@@ -59,7 +60,8 @@ class Spec:
     outer_steps: int = 10
     overlap: int = 0
     outer_compression: str = "fp16"
-    # the runs calibrated (12-04) the store transport; p2p became geoshard train's default after them
+    # C1-C6 and V1-V20 (12-04) ran the store transport; p2p became geoshard train's default after
+    # them, and C7-C8 / V21-V25 run it (rows without the key are store runs)
     outer_transport: str = "store"
 
 
@@ -72,6 +74,11 @@ CALIBRATION = (
     # DiLoCo with a two-rank region: the only DDP without a WAN hop (bucket_s; a one-rank region runs
     # no DDP); a pseudo-gradient 1.6x C4's, so the store's per-byte and per-request costs separate
     Spec("C6", "diloco", ranks=TWO, hidden=1024, outer_steps=6),
+    # The peer-to-peer transport (train's default): two pseudo-gradient sizes, so its per-byte host
+    # passes (prepare, MAC, step, gather) separate from its fixed trips; C8 has a two-rank region
+    # (shards over two owners there, the in-region gather)
+    Spec("C7", "diloco", hidden=768, outer_steps=8, outer_transport="p2p"),
+    Spec("C8", "diloco", ranks=TWO, hidden=1024, outer_steps=6, outer_transport="p2p"),
 )
 
 VALIDATION = (
@@ -95,6 +102,11 @@ VALIDATION = (
     Spec("V18", "diloco", ranks=TWO, outer_steps=10),
     Spec("V19", "diloco", outer_steps=10, outer_compression="none"),
     Spec("V20", "diloco", outer_steps=10, remote=True),
+    Spec("V21", "diloco", outer_steps=5, outer_transport="p2p"),
+    Spec("V22", "diloco", outer_steps=10, overlap=5, outer_transport="p2p"),
+    Spec("V23", "diloco", hidden=1024, outer_steps=20, overlap=10, outer_transport="p2p"),
+    Spec("V24", "diloco", ranks=TWO, hidden=768, outer_steps=10, outer_transport="p2p"),
+    Spec("V25", "diloco", outer_steps=10, remote=True, outer_transport="p2p"),
 )
 
 # report.json's figures compared; shares and seconds are relative errors of the figure itself.
@@ -207,9 +219,21 @@ def run_one(spec: Spec, wan: Any, net: Any, endpoints: dict[str, str], env: dict
     # Each round's wait (the slowest region's), not compared: the first one also waits for the
     # regions' start-up skew, which a model of it would be fitted from.
     rounds = [r["sync_s"] for r in (rep.get("outer") or {}).get("rounds", [])]
-    row = {"spec": spec.__dict__, "seconds": round(seconds, 1), "measured": measured, "pairs": crossed, "plan": str(plan), "load": load}
+    row = {"phases": round_phases(out)} if spec.outer_transport == "p2p" and spec.sync == "diloco" else {}
+    row |= {"spec": spec.__dict__, "seconds": round(seconds, 1), "measured": measured, "pairs": crossed, "plan": str(plan), "load": load}
     row["load_during"] = sampled.summary()
     return {**row, "outer_rounds_s": rounds}
+
+
+def round_phases(out: Path) -> list[dict[str, Any]]:
+    """Every region leader's p2p round records: where each round's exchange went (``phases``)."""
+    from geoshard.trainer.diloco.record import read_rounds
+
+    return [
+        {"region": r.region, "round": r.round, "exchange_s": round(r.exchange_s, 4), "sync_s": round(r.sync_s, 4), "phases": dict(r.phases)}
+        for r in read_rounds(out)
+        if r.event == "round"
+    ]
 
 
 class LoadSampler:
@@ -263,7 +287,10 @@ def predict_one(row: dict[str, Any], constants: Path, args: argparse.Namespace) 
     if r.returncode:
         raise RuntimeError(f"simulate failed for {spec.name}: {r.stderr.strip()}")
     rep = json.loads(r.stdout)
-    return {**figures(rep), "wan_bytes": sum(e["bytes"] for e in rep["egress"])}
+    out = {**figures(rep), "wan_bytes": sum(e["bytes"] for e in rep["egress"])}
+    if (rep.get("outer") or {}).get("phases"):
+        out["phases"] = rep["outer"]["phases"]  # one round's, to set beside the records' (not a compared metric)
+    return out
 
 
 def slowdown(row: dict[str, Any]) -> float:
@@ -288,15 +315,17 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
         cfg = sim_config_of(row, kk, args)
         return replace(cfg, constants=replace(kk, host_slowdown=slowdown(row)).on_host())
 
-    # Compute per micro-batch (the report's compute without exchange, less the stated step time,
-    # over the accumulation steps) = overhead + flops / rate: least squares.
+    # Compute per optimizer step (the report's compute without exchange, less the stated step
+    # time) = overhead + flops of its micro-batches / rate: least squares. The overhead is per
+    # step, not per micro-batch: with it per micro-batch the accumulation runs (C3, V2, V3, V9)
+    # were predicted 1.3-1.9x their utilization (validation median 17.0%; per step 12.7%).
     xs, ys = [], []
     for row in rows:
         s, m = Spec(**row["spec"]), row["measured"]
         params = s.hidden**2 + 268 * s.hidden + 10
         per_step = m["utilization"] * (m["step_s"] * args.steps + (m["time_to_first_batch_s"] or 0)) / args.steps
-        xs.append(6 * params * args.batch_size / slowdown(row))
-        ys.append((per_step - args.step_time) / s.accum / slowdown(row))
+        xs.append(6 * params * args.batch_size * s.accum / slowdown(row))
+        ys.append((per_step - args.step_time) / slowdown(row))
     slope, intercept = _line(xs, ys)
     if slope > 1e-12:  # a rate below 1,000 GFLOPS: the model's size shows in its compute
         k = replace(k, cpu_gflops=round(1 / slope / 1e9, 3), step_overhead_s=round(max(intercept, 0.0), 5))
@@ -345,7 +374,7 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
     for row in rows:
         cfg = at(row, replace(k, store_request_s=0.0, store_byte_s=0.0))
         rounds = row.get("outer_rounds_s") or []
-        if cfg.sync != "diloco" or not row["measured"]["outer_sync_s_mean"] or cfg.outer_overlap:
+        if cfg.sync != "diloco" or cfg.outer_transport != "store" or not row["measured"]["outer_sync_s_mean"] or cfg.outer_overlap:
             continue
         # the median: C6's second round (11.1 s against 3-4 s after it) also waited for a late start
         later = statistics.median(rounds[1:]) if len(rounds) > 1 else row["measured"]["outer_sync_s_mean"]
@@ -363,7 +392,64 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
     for row, excess in firsts:
         regions = predict(at(row, k)).regions
         skews.append(excess - (max(x.time_to_first_batch_s for x in regions) - min(x.time_to_first_batch_s for x in regions)))
-    return replace(k, startup_skew_s=round(max(0.0, statistics.median(skews)), 4) if skews else k.startup_skew_s)
+    k = replace(k, startup_skew_s=round(max(0.0, statistics.median(skews)), 4) if skews else k.startup_skew_s)
+    return fit_p2p(rows, k, at)
+
+
+# The p2p round's phases (trainer/diloco/p2p.py) and the constant each one gives (sim/p2p.py).
+PER_VALUE = {
+    "prepare": "p2p_prepare_value_s",
+    "mac_publish": "p2p_mac_value_s",
+    "mac_check": "p2p_check_value_s",
+    "step": "p2p_step_value_s",
+}
+
+
+def fit_p2p(rows: list[dict[str, Any]], k: Any, at: Any) -> Any:
+    """The p2p round's constants from the calibration runs' round records (``phases``), per unit
+    of host slowdown (all of them are the host's): each pass's seconds a value (the median over
+    every region's rounds, over the values the region's leader owns), the gather's over the whole vector in regions of 2+ ranks,
+    the groups from the rounds that made them; then ``p2p_fixed_s``, what the slowest region waits
+    beyond the model's terms (the regions' arrival skew, the region's agreement: the median of the
+    rounds after the first), and the start-up skew as the store's (the first round's excess)."""
+    from geoshard.sim import predict
+    from geoshard.sim.p2p import p2p_round
+
+    recs, groups = [], []  # (row, ranks in the record's region, record) of every region's rounds
+    for row in rows:
+        cfg = at(row, k)
+        if cfg.sync != "diloco" or cfg.outer_transport != "p2p" or not row.get("phases"):
+            continue
+        for rec in row["phases"]:
+            if rec["phases"].get("groups", 0.0) > 0.2:  # the rounds that made the shards' groups
+                groups.append(rec["phases"]["groups"] / slowdown(row))
+            recs.append((row, cfg, {g.name: g.ranks for g in cfg.regions}[rec["region"]], rec))
+    if not recs:
+        return k
+    values: dict[str, Any] = {}
+    for phase, name in PER_VALUE.items():
+        xs = [cfg.params / n for _, cfg, n, _ in recs]  # the values the region's leader owns
+        ys = [rec["phases"].get(phase, 0.0) / slowdown(row) for row, _, _, rec in recs]
+        # the median seconds a value, not a least-squares slope: a few rounds where a pass waited
+        # for a core (C8's mac_check 0.55-0.78 s against a median of 0.15 s) would set the slope
+        values[name] = float(f"{max(0.0, statistics.median(y / x for x, y in zip(xs, ys, strict=True))):.4g}")
+    gathered = [rec["phases"].get("gather", 0.0) / slowdown(row) / cfg.params for row, cfg, n, rec in recs if n > 1]
+    values["p2p_gather_value_s"] = float(f"{statistics.median(gathered):.4g}") if gathered else k.p2p_gather_value_s
+    values["p2p_groups_s"] = round(statistics.median(groups), 4) if groups else 0.0
+    k = replace(k, **values, p2p_fixed_s=0.0)
+    rest, skews = [], []
+    for row in rows:
+        cfg = at(row, k)
+        rounds = row.get("outer_rounds_s") or []
+        if cfg.outer_transport != "p2p" or cfg.sync != "diloco" or cfg.outer_overlap or len(rounds) < 2:
+            continue
+        later = statistics.median(rounds[1:])
+        rest.append((later - p2p_round(cfg).seconds) / slowdown(row))
+        regions = predict(cfg).regions
+        spread = max(x.time_to_first_batch_s for x in regions) - min(x.time_to_first_batch_s for x in regions)
+        skews.append(rounds[0] - later - spread - k.p2p_groups_s * slowdown(row))
+    k = replace(k, p2p_fixed_s=round(max(0.0, statistics.median(rest)), 4) if rest else 0.0)
+    return replace(k, p2p_startup_skew_s=round(max(0.0, statistics.median(skews)), 4) if skews else k.p2p_startup_skew_s)
 
 
 def _store_costs(requests: list[int], nbytes: list[float], rest: list[float]) -> tuple[float, float]:
@@ -604,9 +690,17 @@ def refit(args: argparse.Namespace) -> int:
         row["predicted"] = predict_one(row, path, args)
     res["errors"] = errors(res["validation"])
     res["errors_calibration"] = errors(res["calibration"])
+    p2p = [r for r in res["validation"] if r["spec"].get("outer_transport") == "p2p"]
+    if p2p:  # the p2p rows apart, and the rest as they were (the store's 20)
+        res["errors_p2p"] = errors(p2p)
+        res["errors_store"] = errors([r for r in res["validation"] if r not in p2p])
     args.json_out.write_text(json.dumps(res, indent=1))
     print(res["constants"])
     print(markdown(res))
+    for key, title in (("errors_p2p", "p2p validation runs alone:"), ("errors_store", "the other validation runs:")):
+        if key in res:
+            print(title)
+            print(markdown(res, key))
     print("calibration runs (their own fit):")
     print(markdown(res, "errors_calibration"))
     print(f"JSON: {args.json_out} ({len(res['validation'])} validation runs; constants {path})")

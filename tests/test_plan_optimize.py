@@ -93,7 +93,10 @@ def test_known_answer_the_slow_expensive_region_reads_nothing_across_and_diloco_
     assert _option(rep, SA, f"reads {US}'s bucket")["refused"] == f"waits {sa_wait:.1%}"
     per_region = rep["predicted"]["regions"]
     assert per_region[SA]["cross_region_data_bytes"] == 0 and per_region[EU]["cross_region_data_bytes"] > 0
-    assert not any(e["from"] == SA and e["bytes"] > 0 for e in rep["predicted"]["egress"] if e["to"] != US)
+    # sa-east-1 sends only its share of DiLoCo's rounds, peer to peer: gloo's ring sends to the
+    # previous region (us-east-1 -> sa-east-1 -> eu-west-1 -> us-east-1), a third of the rounds' bytes
+    sent = {e["to"]: e["bytes"] for e in rep["predicted"]["egress"] if e["from"] == SA and e["bytes"] > 0}
+    assert list(sent) == [EU] and sent[EU] == pytest.approx(rep["predicted"]["outer"]["bytes"] / 3, rel=1e-6)
     assert rep["sync"]["train_args"][:2] == ["--sync", "diloco"] and rep["meets_budgets"]
     rejected = {x["candidate"].split(" ")[0]: x["why"] for x in rep["rejected"]}
     assert re.match(r"utilization \d+\.\d% < 80\.0% \(short by \d+\.\d points\)", rejected["flat"]), rejected
@@ -342,9 +345,9 @@ def test_a_proposal_run_under_the_rehearsal_lands_within_20_percent_on_utilizati
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the WAN rehearsal needs root (CAP_NET_ADMIN)")
 @pytest.mark.xfail(
-    reason="the sim's calibration is not there yet on this machine: in the 2026-12-04 16:39 run (load 2-4) it predicted "
-    "a wait of 3.56 s for the one overlapped DiLoCo round (REHEARSAL's fitted 7 s start-up skew, measured at load 8-14) "
-    "against 0.08 s measured, and a first batch of 0.36 s against 0.11 s",
+    reason="the sim's calibration is not there yet on this machine: in the 2026-12-04 20:02 run (p2p, load 1-4) the "
+    "overlapped DiLoCo round's wait held (0.19 s predicted, 0.21 s measured; on the store at 16:39 3.56 s against 0.08 s), "
+    "but the first batch did not (0.34 s against 0.05 s) nor the IO wait share (0.0014 against 0.0062)",
     strict=False,
 )
 def test_the_other_reported_fields_land_within_20_percent(rehearsed: Rehearsed) -> None:

@@ -45,9 +45,9 @@ class SyncChoice:
         args = ["--sync", self.sync]
         if self.sync == "diloco":
             args += ["--outer-steps", str(self.outer_steps), "--outer-overlap", str(self.outer_overlap)]
-            # the store transport is the one the simulator is calibrated on (p2p is train's default,
-            # and its model is the ring's bound, not yet checked against runs): run what was predicted
-            args += ["--outer-compression", self.outer_compression, "--outer-transport", "store"]
+            # the peer-to-peer transport, train's default, predicted by its calibrated model
+            # (sim/p2p.py); said explicitly so that the run is what was predicted
+            args += ["--outer-compression", self.outer_compression, "--outer-transport", "p2p"]
         elif self.grad_compression != "none":
             args += ["--grad-compression", self.grad_compression]
         return args
@@ -62,7 +62,7 @@ class SyncChoice:
             outer_steps=self.outer_steps,
             outer_overlap=self.outer_overlap,
             outer_compression=self.outer_compression,
-            outer_transport="store",
+            outer_transport="p2p",
         )
 
 

@@ -21,28 +21,48 @@ REHEARSAL = Constants(
     ceiling_mb_s=850.0,  # docs/benchmarks.md, wan_bench accuracy: 856 MB/s median at load 7-10 (a run passes its own)
     rto_min_s=10.0,  # the calibration set C1-C5 fits best with warm flows: no slow-start restart between steps here
     mss=64_948,  # TUN MTU 65,000 - 52 bytes of IPv4 and TCP headers with timestamps
-    # Fitted by bench/simulate_bench.py on its calibration set C1-C6 (2026-12-04 15:50-16:26, load
-    # 7.6-11.4 averaged through each run), per unit of host slowdown (load / 2 cores) where a
+    # Fitted by bench/simulate_bench.py on its calibration set C1-C8 (C1-C6 2026-12-04 15:50-16:26,
+    # load 7.6-11.4 averaged through each run; C7-C8, the p2p transport, 19:18-19:20, load 14.7-14.9;
+    # refit 19:3x with the overhead per step), per unit of host slowdown (load / 2 cores) where a
     # constant is the host's (config.HOST_COSTS): on these 2 shared cores the built-in model's size
     # does not show in its compute (cpu_gflops unbounded): a step's compute is mostly waiting for a core.
-    bucket_s=0.00317,
+    bucket_s=0.00281,
     trip_s=0.0,
-    hook_trip_s=0.00772,
+    hook_trip_s=0.00781,
     cpu_gflops=1e6,
-    step_overhead_s=0.02537,
-    startup_s=0.347,
-    batch_s=0.00021,
+    step_overhead_s=0.02334,  # once per optimizer step (not per micro-batch: predict.compute_s)
+    startup_s=0.3314,
+    batch_s=0.00019,
     store_request_s=0.3805,
     store_byte_s=0.0,
     # The launch's stagger before the first DiLoCo round (C4 3.7 s, C6 10.3 s: their median): every
     # region's processes start on this one shared host.
     startup_skew_s=7.0283,
+    # The p2p round (sim/p2p.py) from C7-C8's round records (every region's rounds, their phases):
+    # each pass the median seconds a value per unit of slowdown; groups 0 (made in round 0, before
+    # the loop, and reused); p2p_fixed_s what the slowest region waited beyond the model's terms
+    # in the rounds after the first (the regions' arrival skew); the first round 1.04 s more than
+    # the later ones beyond the first batches' spread (round 0 is a collective: no 7 s stagger).
+    # The MAC check and the gather have constants of their own: once they overlap the transfer
+    # (another branch), `simulate_bench.py --resume` of C7-C8 then `--refit` refits them.
+    p2p_prepare_value_s=1.498e-09,
+    p2p_mac_value_s=5.338e-09,
+    p2p_check_value_s=1.022e-08,
+    p2p_step_value_s=4.485e-09,
+    p2p_gather_value_s=7.8e-10,
+    p2p_fixed_s=0.1073,
+    p2p_startup_skew_s=1.0375,
 )
 
 # A real network: 1,500-byte MTU, no forwarder, Linux's idle restart, 100 Gbit/s between the nodes
 # of a region (an assumption, not a measurement). No launch stagger: the rehearsal's comes from
 # starting every region's processes on one shared host, which regions on their own nodes do not.
-WAN = dataclasses.replace(REHEARSAL, ceiling_mb_s=None, mss=1448, rto_min_s=0.2, local_mb_s=12_500.0, startup_skew_s=0.0)
+WAN = dataclasses.replace(
+    REHEARSAL, ceiling_mb_s=None, mss=1448, rto_min_s=0.2, local_mb_s=12_500.0, startup_skew_s=0.0, p2p_startup_skew_s=0.0
+)
+
+
+INT_KEYS = ("mss", "init_cwnd", "gloo_threads", "outer_trips_before", "outer_trips_after", "p2p_member_trips")
 
 
 def load_constants(path: Path | None, base: Constants) -> Constants:
@@ -60,7 +80,7 @@ def load_constants(path: Path | None, base: Constants) -> Constants:
             raise ConfigError(f"{path}: constants.{key}: unknown key (known: {', '.join(k for k in known if k != 'tier_mb_s')})")
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
             raise ConfigError(f"{path}: constants.{key}: must be a number >= 0, got {v!r}")
-        values[key] = int(v) if key in ("mss", "init_cwnd", "gloo_threads", "outer_trips_before", "outer_trips_after") else float(v)
+        values[key] = int(v) if key in INT_KEYS else float(v)
     return dataclasses.replace(base, **values)
 
 

@@ -23,13 +23,22 @@ HOST_COSTS = (
     "request_s",
     "batch_s",
     "checkpoint_s",
+    "p2p_groups_s",
+    "p2p_prepare_value_s",
+    "p2p_mac_value_s",
+    "p2p_check_value_s",
+    "p2p_step_value_s",
+    "p2p_gather_value_s",
+    "p2p_fixed_s",
+    "p2p_codec_value_s",
+    "p2p_hmac_byte_s",
 )
 SYNCS = ("flat", "hierarchical", "diloco")
 OUTER_TRANSPORTS = ("store", "p2p")
 # Bytes a value of the pseudo-gradient takes on the wire, per --outer-compression (trainer/diloco/codec.py:
 # int8 and fp8 carry one byte a value and a 4-byte scale per block of 1,024 values).
 OUTER_BYTES = {"fp16": 2.0, "bf16": 2.0, "none": 4.0, "int8": 1 + 4 / 1024, "fp8": 1 + 4 / 1024}
-SUMMABLE = ("fp16", "bf16", "none")  # what the p2p transport's all-reduce can sum (blocks with their own scales cannot)
+SUMMABLE = ("fp16", "bf16", "none")  # summed by gloo's all-reduce; int8/fp8 go by reduce-scatter and all-gather (sim/p2p.py)
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,27 @@ class Constants:
     # started one after another and import torch on a shared host, so the first DiLoCo round also
     # waits for the last region to arrive (the first round's excess over the later ones).
     startup_skew_s: float = 0.0
+    # The peer-to-peer round (sim/p2p.py, trainer/diloco/p2p.py's phases). Host passes are seconds
+    # a value of the shards a rank owns (one pass each); the MAC check's and the gather's are apart
+    # from the rest so that a refit after they overlap the transfer is one command.
+    # the slowest leader's store round trips once the last region is ready: it sees that ready
+    # key, reads it, asks to close, waits for the members, reads them (membership.py ``decide``)
+    p2p_member_trips: int = 5
+    p2p_groups_s: float = 0.0  # the shards' gloo groups, made at once in the first round
+    p2p_prepare_value_s: float = 0.0  # pseudo-gradient and its cast
+    p2p_mac_value_s: float = 0.0  # the MAC projections published (while the chunks travel)
+    p2p_check_value_s: float = 0.0  # the sum's projections checked
+    p2p_step_value_s: float = 0.0  # the outer Nesterov step
+    p2p_gather_value_s: float = 0.0  # a value of the whole vector gathered in a region of 2+ ranks (fp32 over loopback)
+    p2p_fixed_s: float = 0.0  # the region's agreement and the rest of a round
+    # p2p's start-up skew beyond the first batches' spread: its round 0 is a collective (every
+    # region waits in join for the others), so the launch's stagger ends there, before the loop
+    p2p_startup_skew_s: float = 0.0
+    # int8/fp8 over p2p: not fitted (no such run yet). The HMAC: state_auth's SHA-256 measured
+    # 0.13-0.34 GB/s on a busy core here (docs/diloco.md): 0.2 GB/s. The codec pass: decode,
+    # sum and re-encode of a value, taken as 4 fp32 passes at the 2 GB/s of a plain copy (a guess).
+    p2p_hmac_byte_s: float = 5e-9
+    p2p_codec_value_s: float = 8e-9
     # How much slower this host's own work runs than where the host costs were fitted per unit: a
     # machine whose cores are shared (load L on c cores: about L/c); 1 on dedicated nodes.
     host_slowdown: float = 1.0
@@ -153,11 +183,6 @@ class SimConfig:
             raise ConfigError(f"simulate: outer transport must be one of {', '.join(OUTER_TRANSPORTS)}, got {self.outer_transport!r}")
         if self.outer_compression not in OUTER_BYTES:
             raise ConfigError(f"simulate: outer compression must be one of {', '.join(OUTER_BYTES)}, got {self.outer_compression!r}")
-        if self.outer_transport == "p2p" and self.outer_compression not in SUMMABLE:
-            raise ConfigError(
-                f"simulate: outer compression {self.outer_compression} cannot be summed by the p2p transport's all-reduce: "
-                f"use one of {', '.join(SUMMABLE)}, or --outer-transport store"
-            )
         if not 0 <= self.outer_overlap < self.outer_steps:
             raise ConfigError(f"simulate: outer-overlap must be at least 0 and below outer-steps ({self.outer_steps})")
         if len(self.regions) > 1:

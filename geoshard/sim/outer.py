@@ -11,9 +11,8 @@ Bytes through the star: B = m·P published + m(m-1)·P read, all of them through
 process (``store_byte_s``: its own work per byte, fitted). P is params x the compression's bytes a
 value (``OUTER_BYTES``: 2 for fp16/bf16, 4 for none, about 1 for int8/fp8).
 
-``p2p_round`` is the ring transport another engineer is building (``--outer-transport p2p``):
-a ring all-reduce among the m leaders, sharded over ``streams`` connections per pair:
-2(m-1)/m·P/(bandwidth·streams_efficiency) + 2(m-1) trips. Not yet calibrated.
+``p2p.p2p_round`` is the peer-to-peer transport (``--outer-transport p2p``, geoshard train's
+default), phase by phase (geoshard/sim/p2p.py).
 
 With ``outer_overlap`` K the exchange runs behind K inner steps: the job waits
 max(0, round - K·step) per round, where K is at most the steps left after the round's start (a
@@ -25,9 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from geoshard.sim.config import OUTER_BYTES, SimConfig
-from geoshard.sim.links import one_way, rate, round_trip_s, transfer_s
-
-P2P_STREAM_EFFICIENCY = 0.9  # assumed share of the link a sharded ring keeps busy: not calibrated
+from geoshard.sim.links import round_trip_s, transfer_s
 
 
 @dataclass(frozen=True)
@@ -36,6 +33,12 @@ class OuterRound:
     bytes: float  # report.json's outer round bytes: published + read, over the leaders
     pair_bytes: tuple[tuple[str, str, float], ...]  # (from, to, bytes per round) between regions
     calibrated: bool = True
+    first_extra_s: float = 0.0  # the first round's own extra (p2p: its gloo groups made)
+    # Of ``seconds``, what the first region to arrive waits for the last (p2p): in the slowest
+    # region's wait (report.json's sync_s), not in a rank's wall, where the region that arrived
+    # last made it up in slower steps.
+    arrival_s: float = 0.0
+    phases: tuple[tuple[str, float], ...] = ()  # (phase, seconds) as the trainer's p2p round records name them
 
 
 def pseudo_gradient_bytes(cfg: SimConfig) -> float:
@@ -61,25 +64,13 @@ def store_round(cfg: SimConfig) -> OuterRound:
     return OuterRound(before + after + total * k.store_byte_s, total, tuple(pairs))
 
 
-def p2p_round(cfg: SimConfig) -> OuterRound:
-    """The ring transport, from the ring bound; flagged as not calibrated against runs."""
-    k = cfg.constants
-    p = pseudo_gradient_bytes(cfg)
-    m = len(cfg.regions)
-    if m < 2 or p <= 0:
-        return OuterRound(0.0, 0.0, (), calibrated=False)
-    names = [r.name for r in cfg.regions]
-    hops = [cfg.link(names[i], names[(i + 1) % m]) for i in range(m)]
-    carried = 2 * (m - 1) / m * p
-    seconds = max(carried / (rate(h, k) * P2P_STREAM_EFFICIENCY) + 2 * (m - 1) * (one_way(h) + k.trip_s) for h in hops)
-    pairs = tuple((names[i], names[(i + 1) % m], carried) for i in range(m))
-    return OuterRound(seconds, m * carried, pairs, calibrated=False)
-
-
 def join_pair_bytes(cfg: SimConfig) -> tuple[tuple[str, str, float], ...]:
-    """A fresh job's round 0 (trainer/diloco/rank.py ``join``): the first region publishes its
-    parameters to the store beside it and every other region's leader reads them once, in fp32
-    (torch's serialized state: 4 bytes a parameter; its few hundred bytes of framing left out)."""
+    """A fresh job's round 0 (trainer/diloco/rank.py ``join``): every other region receives the
+    first region's parameters once, in fp32 (4 bytes a parameter). On the store transport the
+    first region publishes them to the store beside it and the leaders read them (torch's
+    serialized state; its few hundred bytes of framing left out); on p2p the first region's
+    owners broadcast their fp32 shards to the other regions' owners (gloo's broadcast: the root
+    sends to each), the store carrying membership only: the same bytes per pair."""
     if cfg.sync != "diloco" or len(cfg.regions) < 2 or cfg.params <= 0:
         return ()
     host = cfg.regions[0].name
@@ -87,7 +78,11 @@ def join_pair_bytes(cfg: SimConfig) -> tuple[tuple[str, str, float], ...]:
 
 
 def exchange_round(cfg: SimConfig) -> OuterRound:
-    return p2p_round(cfg) if cfg.outer_transport == "p2p" else store_round(cfg)
+    if cfg.outer_transport == "p2p":
+        from geoshard.sim.p2p import p2p_round  # p2p builds on this module's OuterRound
+
+        return p2p_round(cfg)
+    return store_round(cfg)
 
 
 def round_wait_s(round_s: float, overlap_steps: int, step_s: float) -> float:
@@ -115,5 +110,9 @@ def mean_round_wait_s(round_s: float, cfg: SimConfig, step_s: float, skew_s: flo
 
 def startup_skew_s(first_batches: list[float], cfg: SimConfig) -> float:
     """How much later the last region reaches its first round than the first: its first batch's
-    lead (remote data, more ranks) plus ``startup_skew_s``, the launch's own stagger."""
-    return (max(first_batches) - min(first_batches) if first_batches else 0.0) + cfg.constants.startup_skew_s
+    lead (remote data, more ranks) plus ``startup_skew_s``, the launch's own stagger. On p2p,
+    round 0 is a collective before the loop (every region waits for the others in ``join``), so
+    the stagger is not carried into the loop: ``p2p_startup_skew_s`` (fitted) instead."""
+    k = cfg.constants
+    own = k.p2p_startup_skew_s if cfg.outer_transport == "p2p" else k.startup_skew_s
+    return (max(first_batches) - min(first_batches) if first_batches else 0.0) + own

@@ -1,7 +1,7 @@
 """Composes the model's parts into one ``Prediction`` whose fields carry report.json's names.
 
 Per rank and optimizer step: compute = the model's forward and backward (6 x params x samples
-flops at ``cpu_gflops``) + ``--step-time`` + the loop's own ``step_overhead_s`` per micro-batch; then the gradient
+flops at ``cpu_gflops``) + ``--step-time`` + the loop's own ``step_overhead_s`` per step; then the gradient
 exchange (grad.py), the IO wait after the first batch (loader.py), checkpoints, and under DiLoCo
 the rounds' waits (outer.py) spread over their H steps. A rank's wall time is the first batch plus
 its steps; utilization is compute over wall, as report.json computes it.
@@ -49,6 +49,7 @@ class Prediction:
     outer_sync_s_mean: float  # what the job waits per round (report.json's outer.sync_s_mean)
     outer_bytes: float  # over all rounds (report.json's outer.bytes)
     outer_calibrated: bool
+    outer_phases: tuple[tuple[str, float], ...]  # p2p: one round's seconds per phase (the round records' names)
     cross_region_data_bytes: float
     regions: tuple[RegionPrediction, ...]
     pair_bytes: tuple[tuple[str, str, float], ...]  # (from, to, bytes over the run)
@@ -82,6 +83,7 @@ class Prediction:
                 "round_s": _r(self.outer_round_s),
                 "bytes": round(self.outer_bytes),
                 "calibrated": self.outer_calibrated,
+                **({"phases": {k: _r(v) for k, v in self.outer_phases}} if self.outer_phases else {}),
             },
             "regions": {
                 g.name: {
@@ -99,13 +101,15 @@ class Prediction:
 
 
 def compute_s(cfg: SimConfig) -> float:
-    """One optimizer step's compute on one rank, without any exchange. ``step_overhead_s`` is paid
-    per micro-batch: each is its own forward and backward, batch hand-off and turn of the loop
-    (on a loaded host, its own wait for a core); ``--step-time`` once per optimizer step, as the
-    trainer sleeps it (trainer/loop.py)."""
+    """One optimizer step's compute on one rank, without any exchange: the micro-batches' flops,
+    ``--step-time`` once (the trainer sleeps it once per optimizer step, trainer/loop.py) and
+    ``step_overhead_s`` once. The overhead was modelled per micro-batch until the accumulation
+    runs (C3, V2, V3, V9 of simulate_bench) showed it is not: on this loaded host a step's
+    overhead is its wait for a core, once a step; per micro-batch they were predicted 1.3-1.9x
+    their utilization."""
     k = cfg.constants
     samples = cfg.batch_size * cfg.accum_steps
-    return 6 * cfg.params * samples / (k.cpu_gflops * 1e9) + cfg.step_time + cfg.accum_steps * k.step_overhead_s
+    return 6 * cfg.params * samples / (k.cpu_gflops * 1e9) + cfg.step_time + k.step_overhead_s
 
 
 def predict(cfg: SimConfig) -> Prediction:
@@ -121,16 +125,18 @@ def predict(cfg: SimConfig) -> Prediction:
     rnd = outer.exchange_round(cfg) if cfg.sync == "diloco" else outer.OuterRound(0.0, 0.0, ())
     rounds = cfg.steps // cfg.outer_steps if cfg.sync == "diloco" and len(cfg.regions) > 1 else 0
     skew = outer.startup_skew_s([x.time_to_first_batch_s for x in loaders], cfg)
-    round_wait = outer.mean_round_wait_s(rnd.seconds, cfg, step, skew) if rounds else 0.0
+    round_wait = outer.mean_round_wait_s(rnd.seconds, cfg, step, skew + rnd.first_extra_s) if rounds else 0.0
     first = max(x.time_to_first_batch_s for x in loaders)
     # Under DiLoCo the first round's wait holds the spread of the regions' first batches (``skew``):
     # a region that started early waits it there, so its wall runs from its own first batch, the
     # earliest; counting the latest first batch as well would count the spread twice. (Flat and
     # hierarchical wait the spread in the first step's all-reduce: their wall runs from the latest.)
     start = min(x.time_to_first_batch_s for x in loaders) if rounds else first
-    wall = start + cfg.steps * step + rounds * round_wait
+    # a rank's wall holds the rounds' waits less the regions' arrival skew (made up in slower steps)
+    in_wall = outer.mean_round_wait_s(rnd.seconds - rnd.arrival_s, cfg, step, skew + rnd.first_extra_s) if rounds else 0.0
+    wall = start + cfg.steps * step + rounds * in_wall
     # report.json's IO wait share after the first batch is over the wall after it, rounds' waits included
-    after = step + rounds * round_wait / cfg.steps
+    after = step + rounds * in_wall / cfg.steps
     utilization = min(1.0, cfg.steps * compute / wall) if wall > 0 else 0.0
 
     pairs: dict[tuple[str, str], float] = {}
@@ -174,6 +180,7 @@ def predict(cfg: SimConfig) -> Prediction:
         outer_sync_s_mean=round_wait,
         outer_bytes=rnd.bytes * rounds,
         outer_calibrated=rnd.calibrated,
+        outer_phases=rnd.phases,
         cross_region_data_bytes=sum(x.egress_bytes for x in loaders),
         regions=regions,
         pair_bytes=tuple((a, b, n) for (a, b), n in sorted(pairs.items())),
