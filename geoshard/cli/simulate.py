@@ -168,7 +168,7 @@ def render(rep: dict[str, Any], cfg: Any) -> str:
         o = rep["outer"]
         lines.append(
             f"outer rounds: {o['round_count']:,}, each {o['round_s']:.2f} s of exchange, the job waits {o['sync_s_mean']:.2f} s per round; "
-            f"{human_bytes(o['bytes'])} in all" + ("" if o["calibrated"] else " (p2p transport: not calibrated)")
+            f"{human_bytes(o['bytes'])} in all" + ("" if o["calibrated"] else " (int8/fp8 over p2p: not calibrated)")
         )
     lines.append(f"compute utilization {rep['utilization']['share']:.1%}")
     for e in rep["egress"]:
