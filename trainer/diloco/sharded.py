@@ -139,7 +139,7 @@ def waves(length: int, count: int) -> list[tuple[int, int]]:
     1/4, 1/8, 1/8 for 4): what is left after the transfer is the last wave's share; none empty."""
     out, start = [], 0
     for w in range(count):
-        size = length - start if w == count - 1 else max(1, (length - start) // 2)
+        size = length - start if w == count - 1 else min(length - start, max(1, (length - start) // 2))
         if size <= 0:
             break
         out.append((start, start + size))
@@ -161,13 +161,13 @@ def wave_count(layout: Layout, count: int = WAVES, least: int = WAVE_MIN) -> int
 
 
 def start_waves(
-    groups: ShardGroups, values: dict[int, torch.Tensor], count: int = WAVES
+    groups: ShardGroups, values: dict[int, torch.Tensor], count: int = WAVES, least: int = WAVE_MIN
 ) -> tuple[list[list[Any]], list[list[tuple[int, int, int]]], int]:
     """``start_allreduce`` in waves: wave ``w`` of every owned shard (``waves``) cut over the
     streams' groups, queued behind wave ``w - 1`` on the same groups (gloo runs a group's
     collectives in order), so the waves land one after another. Per wave its works and its
     (shard, start, stop) parts (relative to the shard), and the bytes this rank sent."""
-    m, n = len(groups.mship.members), wave_count(groups.layout, count)
+    m, n = len(groups.mship.members), wave_count(groups.layout, count, least)
     works: list[list[Any]] = [[] for _ in range(n)]
     spans: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
     sent = 0
