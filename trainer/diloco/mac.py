@@ -12,7 +12,9 @@ linear, so the exact sum ``x`` has ``<v, x> = sum_j p_j``. One pass computes all
 projections: the values are added into ``2^K`` buckets by code (float64, a cached block at a
 time), and projection ``k`` is the signed sum of the buckets; the cost does not grow with ``K``.
 The codes drawn for a shard's publish are kept (2 bytes a value, up to ``KEEP_BYTES``) for the
-check of the same shard after the transfer, which then draws nothing.
+check of the same shard, which then draws nothing. The check may be fed the sum a piece at a time,
+in order, as its waves land (``Projector``): each value meets the same code and bucket as in one
+pass, so the projections, the tolerance and the guarantee below are those of one pass.
 
 The bound. The received sum ``y`` was added in the compression's dtype, ``m - 1`` rounded
 additions per element (unit roundoff ``u``: 2^-11 fp16, 2^-8 bf16, 2^-24 fp32), so the rounding
