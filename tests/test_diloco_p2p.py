@@ -236,6 +236,13 @@ def test_a_contribution_changed_after_its_projections_were_published_is_refused_
         line = f"DiLoCo: region {region} refuses outer round 2 ({why}); it keeps its own parameters for it"
         assert warned == [f"WARNING geoshard.trainer.diloco.p2p: {line}"]
         assert "Traceback" not in logs[name]
+        # the refused round's staged step was never committed: the outer momentum is exactly as it
+        # was, and so is the model of a one-rank region (this job's ranks of a region train apart,
+        # without DDP, so a region of two gathers its ranks' different shards); the rounds around it changed both
+        assert recs[1]["momentum"] == recs[1]["momentum_before"], name
+        assert recs[1]["digest"] == recs[1]["digest_before"] or region == "eu-west-1", name
+        for rec in (recs[0], recs[2]):
+            assert rec["digest"] != rec["digest_before"] and rec["momentum"] != rec["momentum_before"], (name, rec)
     assert records(tmp_path, "us-east-1-0")[1]["refused"] == 1
 
 
