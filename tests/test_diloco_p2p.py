@@ -434,9 +434,10 @@ def test_waves_halve_and_their_count_is_the_same_for_every_shard_of_a_layout() -
 
     assert waves(100, 4) == [(0, 50), (50, 75), (75, 87), (87, 100)]
     assert waves(3, 4) == [(0, 1), (1, 2), (2, 3)] and waves(1, 4) == [(0, 1)]
-    assert wave_count(Layout(11_000_000, 1, 1, 0)) == 2  # 22 MB fp16, one rank a region: two waves of 5.5M
-    assert wave_count(Layout(45_500_000, 1, 1, 0)) == 4
-    assert wave_count(Layout(2 * WAVE_MIN - 1, 1, 1, 0)) == 1  # a second wave would be under WAVE_MIN
+    assert wave_count(Layout(45_500_000, 1, 1, 0)) == 1  # the default: one wave (more measured slower)
+    assert wave_count(Layout(11_000_000, 1, 1, 0), 4) == 2  # 22 MB fp16, one rank a region: two waves of 5.5M
+    assert wave_count(Layout(45_500_000, 1, 1, 0), 4) == 4
+    assert wave_count(Layout(2 * WAVE_MIN - 1, 1, 1, 0), 4) == 1  # a second wave would be under WAVE_MIN
     layout = Layout(40_003, 3, 2, 1)
     assert wave_count(layout, 4, 1000) == 4
     assert {len(waves(b - a, 4)) for a, b in map(layout.span, range(3))} == {4}

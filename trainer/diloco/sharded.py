@@ -130,7 +130,7 @@ def start_allreduce(groups: ShardGroups, values: dict[int, torch.Tensor]) -> tup
     return works, sent
 
 
-WAVES = 4  # parts a shard's sum travels in at most (p2p's pipeline): 1/8 of the MAC pass left after the transfer
+WAVES = 1  # parts a shard's sum travels in at most: 2 and 4 waves on the same groups measured slower (docs/benchmarks.md)
 WAVE_MIN = 1 << 22  # values in the smallest wave, at least: each wave on a group pays the ring's round trips again
 
 
