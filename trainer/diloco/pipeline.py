@@ -1,13 +1,15 @@
 """The pipelined middle of a peer-to-peer round (``p2p``): what used to wait for the whole
 transfer now runs on each piece of the sum as it arrives.
 
-Each owned shard travels in ``WAVES`` waves, contiguous parts of the shard that halve in size
-(1/2, 1/4, 1/8, 1/8 of it), each wave cut over the streams' groups and queued behind the
-previous one on the same group (``sharded.start_waves``). As a wave lands, on this thread:
+Each owned shard travels in up to ``sharded.WAVES`` waves, contiguous parts of the shard that
+halve in size (1/2, 1/4, 1/8, 1/8 for 4), each wave cut over the streams' groups and queued
+behind the previous one on the same group (``sharded.start_waves``). ``WAVES`` is 1: more waves
+on the same groups slowed the transfer more than they hid (docs/benchmarks.md, exchange_bench).
+As a wave lands, on this thread:
 
 - its values are added into the shard's MAC buckets (``mac.Projector``; the projections are
   linear), so after the transfer only the last waves' pass and K comparisons are left;
-- when ``speculate``: the outer Nesterov step is taken on it into staging buffers (the outer
+- when staged (``Pipeline.stage``): the outer Nesterov step is taken on it into staging buffers (the outer
   parameters and momentum are not touched), and the region's ranks start gathering its new
   parameters (one broadcast per shard from its owner, on the region's group) while later waves
   travel.
