@@ -132,26 +132,36 @@ def trainer_setup(ctx: Ctx, variant: str, t: torch.Tensor) -> None:
 
 
 def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, list[float]]) -> None:
-    """``trainer-K``: the trainer's own p2p path (trainer/diloco/sharded.py and mac.py, as p2p.py
-    runs them): its shards' groups made once and reused, each shard in the chunks ``K`` streams per
-    region pair give, the MAC projections of the contribution signed and published in the store while
-    the chunks travel, the sum checked against every region's, then the in-region gather. Geoshard
-    is imported here only, so the torchft venv never needs it."""
+    """``trainer-K``: the trainer's own p2p path (trainer/diloco/sharded.py, pipeline.py and mac.py,
+    as p2p.py runs them): its shards' groups made once and reused, each shard in waves cut over the
+    chunks ``K`` streams per region pair give, the MAC projections of the contribution signed and
+    published in the store while the waves travel, each wave projected, stepped into staging and
+    its gather in the region posted as it lands, the sum checked against every region's, the
+    region's agreement flag, the commit. The step is SGD with lr 1 and momentum without Nesterov on
+    zero parameters and a zero buffer, so the committed parameters are exactly minus the sum (the
+    bench's check holds). Geoshard is imported here only, so the torchft venv never needs it."""
     from geoshard.trainer.diloco import mac
-    from geoshard.trainer.diloco.sharded import gather_in_region, start_allreduce
+    from geoshard.trainer.diloco.pipeline import Gather, Pipeline
+    from geoshard.trainer.diloco.settings import OuterSync
+    from geoshard.trainer.diloco.sharded import region_max, start_waves, wave_count
 
     store, layout, groups, region, signer, count = ctx.trainer
     count[0] += 1
     tag = f"{variant}/{t.numel()}/{count[0]}"
     t0 = time.perf_counter()
+    gather = Gather(layout, region, wave_count(layout))
     values = {s: t[slice(*layout.span(s))] for s in layout.mine}
     contributed = {s: v.clone() for s, v in values.items()}
-    works, _ = start_allreduce(groups, values)
+    works, spans, _ = start_waves(groups, values)
     for s, v in contributed.items():
         store.set(f"trainer/mac/{tag}/{s}/{ctx.region}", mac.encode_projections(mac.project(signer, tag, s, v, keep=True)))
+    pipe = Pipeline(layout, signer, tag, values, spans)
+    own = layout.own_numel
+    sync = OuterSync(outer_lr=1.0, outer_momentum=0.5, nesterov=False)
+    pipe.stage(gather, torch.zeros(own), torch.zeros(own), 1, sync)
     t1 = time.perf_counter()
 
-    def fetch() -> dict[int, list[list[float]]]:  # as p2p.py: the projections read while the chunks travel
+    def fetch() -> dict[int, list[list[float]]]:  # as p2p.py: the projections read while the waves travel
         out = {}
         for s in values:
             keys = [f"trainer/mac/{tag}/{s}/{r}" for r in range(ctx.n)]
@@ -161,17 +171,23 @@ def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, 
 
     with ThreadPoolExecutor(1) as pool:
         fetched = pool.submit(fetch)
-        _wait_all(works)
+        for w, wave in enumerate(works):
+            _wait_all(wave)
+            pipe.landed(w)
         t2 = time.perf_counter()
         published = fetched.result()
+    got = pipe.projections()
     for s, v in values.items():
-        mac.check(signer, tag, s, v, published[s], "fp16")
+        mac.check_projected(got[s], v, published[s], "fp16")
     t3 = time.perf_counter()
-    if region is not None:
-        full, _ = gather_in_region(region, layout, {s: v.float() for s, v in values.items()})
-        t.copy_(full)
+    if not gather.finish(pipe.landed_waves):
+        raise RuntimeError("trainer: the staged gather failed")
+    ok = region_max(region, 0) == 0  # the region's agreement flag
     t4 = time.perf_counter()
-    for name, a, b in (("mac_publish", t0, t1), ("transfer", t1, t2), ("mac_check", t2, t3), ("gather", t3, t4)):
+    if ok:
+        t.copy_(gather.full.neg())  # the commit: the new parameters (minus the sum, see above)
+    t5 = time.perf_counter()
+    for name, a, b in (("mac_publish", t0, t1), ("transfer", t1, t2), ("mac_check", t2, t3), ("gather", t3, t4), ("commit", t4, t5)):
         phases.setdefault(name, []).append(b - a)
 
 

@@ -159,3 +159,41 @@ def test_codes_kept_for_the_check_are_used_once_and_stay_within_their_bound(monk
     for s in (1, 2, 3):
         assert mac.project(SIGNER, "keep", s, x) == mac.project(SIGNER, "keep", s, x)
     assert len(mac.KEPT) == 0
+
+
+def test_a_projection_fed_in_pieces_is_the_one_pass_projection_and_checks_alike() -> None:
+    xs = contributions(3, 3 * mac.CHUNK // 2 + 77, seed=5)  # pieces that cross a code piece's edge
+    y = ring_sum(xs, torch.float16)
+    pub = published(xs, torch.float16, "pieces")
+    whole = mac.project(SIGNER, "pieces", 0, y)
+    fed = mac.Projector(SIGNER, "pieces", 0, y.numel(), y.device)
+    for a, b in ((0, 1000), (1000, mac.CHUNK + 5), (mac.CHUNK + 5, y.numel())):
+        fed.add(y[a:b])
+    got = fed.result()
+    assert all(abs(g - w) <= 1e-12 * whole[-1] for g, w in zip(got, whole, strict=True)), (got, whole)
+    mac.check_projected(got, y, pub, "fp16")  # the honest sum passes
+    changed = y.clone()
+    changed[mac.CHUNK + 3] += 1.0
+    bad = mac.Projector(SIGNER, "pieces", 0, y.numel(), y.device)
+    bad.add(changed[: mac.CHUNK])
+    bad.add(changed[mac.CHUNK :])
+    with pytest.raises(Refused, match="projection"):
+        mac.check_projected(bad.result(), changed, pub, "fp16")
+    short = mac.Projector(SIGNER, "pieces", 0, 10, y.device)
+    short.add(y[:4])
+    with pytest.raises(ValueError, match="fed 4"):
+        short.result()
+    with pytest.raises(ValueError, match="fed to a projection of 10"):
+        short.add(y[:7])
+
+
+def test_a_projector_takes_the_codes_the_publish_kept() -> None:
+    x = torch.randn(20_000)
+    fresh = mac.project(SIGNER, "kept-fed", 3, x)
+    mac.project(SIGNER, "kept-fed", 3, x, keep=True)
+    assert len(mac.KEPT) == 1
+    fed = mac.Projector(SIGNER, "kept-fed", 3, x.numel(), x.device)
+    assert len(mac.KEPT) == 0  # taken, used once
+    fed.add(x[:12_345])
+    fed.add(x[12_345:])
+    assert all(abs(g - w) <= 1e-12 * fresh[-1] for g, w in zip(fed.result(), fresh, strict=True))

@@ -236,6 +236,13 @@ def test_a_contribution_changed_after_its_projections_were_published_is_refused_
         line = f"DiLoCo: region {region} refuses outer round 2 ({why}); it keeps its own parameters for it"
         assert warned == [f"WARNING geoshard.trainer.diloco.p2p: {line}"]
         assert "Traceback" not in logs[name]
+        # the refused round's staged step was never committed: the outer momentum is exactly as it
+        # was, and so is the model of a one-rank region (this job's ranks of a region train apart,
+        # without DDP, so a region of two gathers its ranks' different shards); the rounds around it changed both
+        assert recs[1]["momentum"] == recs[1]["momentum_before"], name
+        assert recs[1]["digest"] == recs[1]["digest_before"] or region == "eu-west-1", name
+        for rec in (recs[0], recs[2]):
+            assert rec["digest"] != rec["digest_before"] and rec["momentum"] != rec["momentum_before"], (name, rec)
     assert records(tmp_path, "us-east-1-0")[1]["refused"] == 1
 
 
@@ -420,3 +427,83 @@ def test_a_store_clone_is_a_client_of_its_own_and_counts_into_its_parent() -> No
     assert not waiting.is_alive()
     assert store.get("k") == b"value"
     assert clone.carried == 0 and store.carried == len("k") + len(b"value") + len("k") + len("k") + len(b"value")
+
+
+def test_waves_halve_and_their_count_is_the_same_for_every_shard_of_a_layout() -> None:
+    from geoshard.trainer.diloco.sharded import WAVE_MIN, wave_count, waves
+
+    assert waves(100, 4) == [(0, 50), (50, 75), (75, 87), (87, 100)]
+    assert waves(3, 4) == [(0, 1), (1, 2), (2, 3)] and waves(1, 4) == [(0, 1)]
+    assert wave_count(Layout(45_500_000, 1, 1, 0)) == 1  # the default: one wave (more measured slower)
+    assert wave_count(Layout(11_000_000, 1, 1, 0), 4) == 2  # 22 MB fp16, one rank a region: two waves of 5.5M
+    assert wave_count(Layout(45_500_000, 1, 1, 0), 4) == 4
+    assert wave_count(Layout(2 * WAVE_MIN - 1, 1, 1, 0), 4) == 1  # a second wave would be under WAVE_MIN
+    layout = Layout(40_003, 3, 2, 1)
+    assert wave_count(layout, 4, 1000) == 4
+    assert {len(waves(b - a, 4)) for a, b in map(layout.span, range(3))} == {4}
+
+
+def test_the_pipelined_exchange_gathers_torch_sgds_step_and_changes_nothing_it_was_given() -> None:
+    """Three ranks in threads on 127.0.0.1 (us-east-1:1, eu-west-1:2; S = 2), 8 streams, a
+    40,003-value vector in 4 waves: every rank's gathered parameters are torch SGD's Nesterov step
+    on the two regions' mean, each owner's wave-fed projections are its sum's, and the outer
+    parameters and momentum handed to the pipeline are untouched (a refused round commits nothing)."""
+    import torch
+
+    from geoshard.trainer.diloco import mac
+    from geoshard.trainer.diloco.auth import Signer
+    from geoshard.trainer.diloco.groups import LOOPBACK, GroupCache, gloo_group
+    from geoshard.trainer.diloco.pipeline import Gather, Pipeline
+    from geoshard.trainer.diloco.settings import OuterSync
+    from geoshard.trainer.diloco.sharded import Membership, ShardGroups, make_groups, start_waves, wave_count
+
+    numel, signer = 40_003, Signer(b"pipeline-test-secret-0123456789abcdef")
+    sync = OuterSync(outer_lr=0.7, outer_momentum=0.9, nesterov=True)
+    members = Membership((("us-east-1", 1), ("eu-west-1", 2)), "t")
+    g = torch.Generator().manual_seed(3)
+    contrib = {r: torch.randn(numel, generator=g) for r in ("us-east-1", "eu-west-1")}
+    params, momentum = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
+    store = host_store("127.0.0.1", timeout_s=60)
+    results: dict[tuple[str, int], dict] = {}
+
+    def rank(region: str, n: int, k: int) -> None:
+        client = CountingStore(dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=60)))
+        layout = Layout(numel, 2, n, k)
+        rg = gloo_group(client.clone(), f"region/{region}/", k, n, LOOPBACK, 60) if n > 1 else None
+        groups = ShardGroups(client, "x", layout, members, region, 8, LOOPBACK, 60, GroupCache())
+        make_groups(groups, layout.mine)
+        p0 = torch.cat([params[slice(*layout.span(s))] for s in layout.mine])
+        m0 = torch.cat([momentum[slice(*layout.span(s))] for s in layout.mine])
+        before = (p0.clone(), m0.clone())
+        gather = Gather(layout, rg, wave_count(layout, 4, 1000))
+        values = {s: contrib[region][slice(*layout.span(s))].clone() for s in layout.mine}
+        works, spans, _ = start_waves(groups, values, 4, 1000)
+        pipe = Pipeline(layout, signer, "t", values, spans)
+        pipe.stage(gather, p0, m0, 2, sync)
+        for w, wave in enumerate(works):
+            for work in wave:
+                work.wait()
+            pipe.landed(w)
+        whole = gather.finish(pipe.landed_waves)
+        untouched = torch.equal(p0, before[0]) and torch.equal(m0, before[1])
+        results[(region, k)] = {"whole": whole, "waves": len(spans), "full": gather.full, "untouched": untouched}
+        results[(region, k)]["projections"] = (pipe.projections(), values)
+
+    threads = [threading.Thread(target=rank, args=a) for a in (("us-east-1", 1, 0), ("eu-west-1", 2, 0), ("eu-west-1", 2, 1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert sorted(results) == [("eu-west-1", 0), ("eu-west-1", 1), ("us-east-1", 0)]
+    ref = params.clone()
+    opt = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    opt.state[ref]["momentum_buffer"] = momentum.clone()
+    ref.grad = (contrib["us-east-1"] + contrib["eu-west-1"]) / 2
+    opt.step()
+    for name, res in results.items():
+        assert res["whole"] and res["waves"] == 4 and res["untouched"], name
+        assert torch.allclose(res["full"], ref, rtol=0, atol=1e-6), (name, float((res["full"] - ref).abs().max()))
+        got, values = res["projections"]
+        for s, t in values.items():
+            want = mac.project(signer, "t", s, t)
+            assert all(abs(a - b) <= 1e-9 * want[-1] for a, b in zip(got[s], want, strict=True)), (name, s)

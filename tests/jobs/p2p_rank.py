@@ -58,6 +58,12 @@ def digest(model: torch.nn.Module) -> str:
     return hashlib.sha256(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().tobytes()).hexdigest()[:16]
 
 
+def outer_momentum(diloco: DiLoCo) -> str:
+    """A digest of this rank's shards of the outer momentum (read only: the refusal test's witness)."""
+    mom = diloco._p2p.opt.momentum() if diloco._p2p is not None else None
+    return "none" if mom is None else hashlib.sha256(mom.numpy().tobytes()).hexdigest()[:16]
+
+
 def rounds(mode: str, region: str, rank: int, store: dist.TCPStore, members: list[tuple[str, int]], compression: str, out: str) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     names = [g for g, _ in members]
@@ -112,9 +118,12 @@ def rounds(mode: str, region: str, rank: int, store: dist.TCPStore, members: lis
             opt.zero_grad()
             loss.backward()
             opt.step()
+            kept = {"digest_before": digest(model), "momentum_before": outer_momentum(diloco)} if mode == "mac" else {}
             rec = diloco.maybe_sync(step)
             if rec is not None:
-                f.write(json.dumps({**rec.to_dict(), "time": time.time(), "digest": digest(model)}) + "\n")
+                if kept:
+                    kept["momentum"] = outer_momentum(diloco)
+                f.write(json.dumps({**rec.to_dict(), "time": time.time(), "digest": digest(model), **kept}) + "\n")
                 f.flush()
     diloco.leave()
 

@@ -12,7 +12,9 @@ linear, so the exact sum ``x`` has ``<v, x> = sum_j p_j``. One pass computes all
 projections: the values are added into ``2^K`` buckets by code (float64, a cached block at a
 time), and projection ``k`` is the signed sum of the buckets; the cost does not grow with ``K``.
 The codes drawn for a shard's publish are kept (2 bytes a value, up to ``KEEP_BYTES``) for the
-check of the same shard after the transfer, which then draws nothing.
+check of the same shard, which then draws nothing. The check may be fed the sum a piece at a time,
+in order, as its waves land (``Projector``): each value meets the same code and bucket as in one
+pass, so the projections, the tolerance and the guarantee below are those of one pass.
 
 The bound. The received sum ``y`` was added in the compression's dtype, ``m - 1`` rounded
 additions per element (unit roundoff ``u``: 2^-11 fp16, 2^-8 bf16, 2^-24 fp32), so the rounding
@@ -115,30 +117,64 @@ def _signs(device: torch.device) -> torch.Tensor:
     return (1 - 2 * bits).to(torch.float64)
 
 
+class Projector:
+    """``project`` fed a piece at a time, in order: the buckets are sums, so the pieces of a shard's
+    sum can be added as they arrive (the p2p exchange's waves) and only the last piece's pass is
+    left once the transfer ends. Every value meets the same code and is added once to the same
+    bucket as in one ``project``: the same projections (up to float64 order, which ``float_error``
+    bounds), the same guarantee. Takes the codes a publish of the same shard and size kept."""
+
+    def __init__(self, signer: Signer, tag: str, s: int, numel: int, device: torch.device, *, keep: bool = False) -> None:
+        seeds = _seeds(signer, tag, s)
+        self._key = (seeds, numel, str(device))
+        kept = KEPT.take(self._key)
+        self._codes = iter(kept) if kept is not None else _draw(seeds, numel, device)
+        self._keep = keep and kept is None and numel * 2 <= KEEP_BYTES  # past the bound they would not be kept anyway
+        self._used: list[torch.Tensor] = []
+        self._cur = torch.empty(0, dtype=torch.int16, device=device)
+        self._pos, self.done, self.numel = 0, 0, numel
+        self._buckets = torch.zeros(1 << K, dtype=torch.float64, device=device)
+        self._square = torch.zeros((), dtype=torch.float64, device=device)
+
+    def add(self, x: torch.Tensor) -> None:
+        """The shard's next ``x.numel()`` values."""
+        flat = x.reshape(-1)
+        if self.done + flat.numel() > self.numel:
+            raise ValueError(f"{self.done + flat.numel()} values fed to a projection of {self.numel}")
+        i = 0
+        while i < flat.numel():
+            if self._pos == self._cur.numel():
+                self._cur, self._pos = next(self._codes), 0
+                if self._keep:
+                    self._used.append(self._cur)
+            n = min(flat.numel() - i, self._cur.numel() - self._pos)
+            codes = self._cur[self._pos : self._pos + n]
+            for a in range(0, n, BLOCK):  # cast a block at a time: it stays in the cache for both uses
+                block = flat[i + a : i + min(a + BLOCK, n)].to(torch.float64)
+                self._buckets.index_add_(0, codes[a : a + BLOCK].to(torch.int32), block)
+                self._square += torch.dot(block, block)
+            i, self._pos = i + n, self._pos + n
+        self.done += flat.numel()
+
+    def result(self) -> list[float]:
+        """``[p_1, ..., p_K, b]`` once every value was fed."""
+        if self.done != self.numel:
+            raise ValueError(f"a projection of {self.numel} values was fed {self.done}")
+        if self._keep:
+            KEPT.put(self._key, self._used)
+        projections = _signs(self._buckets.device).T @ self._buckets
+        return [*(float(p) for p in projections.cpu()), math.sqrt(float(self._square))]
+
+
 def project(signer: Signer, tag: str, s: int, x: torch.Tensor, *, keep: bool = False) -> list[float]:
     """``[p_1, ..., p_K, b]`` of shard ``s``'s values ``x`` (any float dtype, any device).
 
     ``keep``: hold the codes for the next ``project`` of the same shard and size (the check after
     a publish), within ``KEEP_BYTES``; a call that finds them kept uses them and drops them."""
     flat = x.reshape(-1)
-    seeds = _seeds(signer, tag, s)
-    key = (seeds, flat.numel(), str(flat.device))
-    kept = KEPT.take(key)
-    pieces = iter(kept) if kept is not None else _draw(seeds, flat.numel(), flat.device)
-    buckets = torch.zeros(1 << K, dtype=torch.float64, device=flat.device)
-    square = torch.zeros((), dtype=torch.float64, device=flat.device)
-    used: list[torch.Tensor] = []
-    for start, codes in zip(range(0, flat.numel(), CHUNK), pieces, strict=True):
-        for a in range(0, codes.numel(), BLOCK):  # cast a block at a time: it stays in the cache for both uses
-            block = flat[start + a : start + a + BLOCK].to(torch.float64)
-            buckets.index_add_(0, codes[a : a + BLOCK].to(torch.int32), block)
-            square += torch.dot(block, block)
-        if keep and len(used) * CHUNK * 2 < KEEP_BYTES:  # past the bound they would not be kept anyway
-            used.append(codes)
-    if keep and len(used) * CHUNK >= flat.numel():
-        KEPT.put(key, used)
-    projections = _signs(flat.device).T @ buckets
-    return [*(float(p) for p in projections.cpu()), math.sqrt(float(square))]
+    p = Projector(signer, tag, s, flat.numel(), flat.device, keep=keep)
+    p.add(flat)
+    return p.result()
 
 
 def encode_projections(values: Sequence[float]) -> str:
@@ -171,7 +207,12 @@ def tolerance(published: Sequence[Sequence[float]], compression: str, numel: int
 
 def check(signer: Signer, tag: str, s: int, summed: torch.Tensor, published: Sequence[Sequence[float]], compression: str) -> None:
     """Refused when ``summed`` is not finite or is not the sum the ``published`` projections describe."""
-    got = project(signer, tag, s, summed)
+    check_projected(project(signer, tag, s, summed), summed, published, compression)
+
+
+def check_projected(got: Sequence[float], summed: torch.Tensor, published: Sequence[Sequence[float]], compression: str) -> None:
+    """``check`` of a sum whose projections ``got`` were computed already (a ``Projector`` fed its
+    pieces as they arrived)."""
     if not math.isfinite(got[K]):  # a sum of squares is not finite exactly when a value is not: no pass of its own
         bad = int((~torch.isfinite(summed)).sum())
         raise Refused("non-finite", f"{bad} of the sum's {summed.numel()} values are NaN or infinite")

@@ -33,12 +33,13 @@ from geoshard.trainer.diloco.groups import Bind, CountingStore, GroupCache, gloo
 from geoshard.trainer.diloco.kv import KV, OuterSyncError
 from geoshard.trainer.diloco.membership import MAX_ATTEMPTS, Decision, Membership, last_round
 from geoshard.trainer.diloco.optimizer import OuterOptimizer
+from geoshard.trainer.diloco.pipeline import Gather, Pipeline
 from geoshard.trainer.diloco.quantized import Quantized, round_sum
 from geoshard.trainer.diloco.record import RoundRecord
 from geoshard.trainer.diloco.ring import restrict
 from geoshard.trainer.diloco.settings import SUMMABLE_DTYPES, OuterSync
 from geoshard.trainer.diloco.sharded import Membership as Ring
-from geoshard.trainer.diloco.sharded import ShardGroups, gather_in_region, make_groups, region_max, start_allreduce
+from geoshard.trainer.diloco.sharded import ShardGroups, gather_in_region, make_groups, region_max, start_waves, wave_count
 from geoshard.trainer.diloco.shards import Layout, shard_count
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,9 @@ class P2PExchange:
         c = codec(sync.compression)  # int8 / fp8: its own exchange (quantized.py), with each owned shard's residual
         self.quantized = None if c.summable else Quantized(c, kv, sync.error_feedback, sync.round_timeout_s)
         self.phases = Phases()
+        self._gather: Gather | None = None  # the attempt's staged gather (pipeline), made before it starts
+        self._pipe: Pipeline | None = None  # the attempt's waves, once its values exist
+        self._full: torch.Tensor | None = None  # the round's new parameters, when the staged gather made them
 
     # -- the outer shards -------------------------------------------------------------------------
     def own(self, flat: torch.Tensor) -> torch.Tensor:
@@ -118,6 +122,7 @@ class P2PExchange:
         """Round ``r`` from this rank's current parameters (flat fp32): its record and the new full parameters."""
         carried0, refused0 = self.store.carried, self.kv.signer.total()
         self.phases = Phases()
+        self._full = None
         sent, left_out, previous, adopted = 0, tuple[tuple[str, str], ...](), tuple[str, ...](), False
         for attempt in range(MAX_ATTEMPTS):
             d = self._decide(r, attempt, previous)
@@ -141,7 +146,10 @@ class P2PExchange:
             log.warning("DiLoCo: outer round %d attempt %d among %s failed (%s); the others redo it", r, attempt, ", ".join(d.members), why)
             previous = d.members
         self.phases.tick("other")
-        full, gathered = gather_in_region(self.region_group, self.layout, self._pieces(self.opt.params))
+        if self._full is not None:  # the staged step's gather ran while the waves travelled
+            full, gathered = self._full, (self.layout.n - 1) * 4 * self.layout.own_numel
+        else:
+            full, gathered = gather_in_region(self.region_group, self.layout, self._pieces(self.opt.params))
         self.phases.tick("gather")
         if self.layout.k == 0:
             self.membership.tidy()  # old rounds' keys, once this round no longer waits on the store
@@ -274,9 +282,14 @@ class P2PExchange:
 
     def _member(self, r: int, attempt: int, d: Decision, current: torch.Tensor) -> tuple[int, int, str]:
         """A member's attempt: bytes sent, OK / REFUSED (a sum failed its check) / FAILED (the
-        exchange raised), and why; every rank of the region ends with the same code."""
+        exchange raised), and why; every rank of the region ends with the same code. The step is
+        staged as the waves land (``pipeline``) and committed here only when the whole region
+        found every shard sound; a round with a region that rejoined steps after its hand-over."""
         sent, code, why = 0, OK, ""
         summed: dict[int, torch.Tensor] = {}
+        self._pipe, self._gather = None, None
+        if not d.fresh and self.sync.compression in SUMMABLE_DTYPES:  # the same on every rank of the region
+            self._gather = Gather(self.layout, self.region_group, wave_count(self.layout))
         try:
             sent, summed, why = self._sum(r, attempt, d, current)
             code = REFUSED if why else OK
@@ -284,6 +297,10 @@ class P2PExchange:
             first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
             code, why = FAILED, f"the exchange failed: {first}"
         self.phases.tick("other")
+        staged = self._finish_gather()
+        if code == OK and self._gather is not None and not staged:
+            code, why = FAILED, "the region's gather of the staged step failed"
+        self.phases.tick("gather")
         worst = region_max(self.region_group, code)
         self.phases.tick("region_agree")
         if worst == FAILED:
@@ -293,10 +310,25 @@ class P2PExchange:
             return sent, FAILED, why or "another rank of the region lost a peer"
         if worst == REFUSED:
             return sent, REFUSED, why or "another rank of the region refused a shard's sum"
-        m = len(d.members) - len(d.fresh)  # a region that rejoined contributed nothing
-        self.opt.step(torch.cat([summed[s].float() / m for s in self.layout.mine]))
+        if staged and self._pipe is not None:
+            pipe = self._pipe
+            assert pipe.staged_p is not None and self._gather is not None
+            self.opt.reset(pipe.staged_p, pipe.staged_m if self.sync.outer_momentum > 0 else None)
+            self._full = self._gather.full
+        else:
+            m = len(d.members) - len(d.fresh)  # a region that rejoined contributed nothing
+            self.opt.step(torch.cat([summed[s].float() / m for s in self.layout.mine]))
         self.phases.tick("step")
         return sent, OK, ""
+
+    def _finish_gather(self) -> bool:
+        """The attempt's staged gather posted to its end and waited for: True when the staged step
+        is whole and every rank of the region holds its parameters."""
+        if self._gather is None:
+            return False
+        pipe = self._pipe
+        landed = pipe.landed_waves if pipe is not None and pipe.gather is self._gather else 0
+        return self._gather.finish(landed)
 
     def _sum(self, r: int, attempt: int, d: Decision, current: torch.Tensor) -> tuple[int, dict[int, torch.Tensor], str]:
         """Every owned shard summed over the members and checked: bytes sent, the sums, why not ('')."""
@@ -326,21 +358,28 @@ class P2PExchange:
             for s in self.layout.mine:
                 self.corrupt(r, s, values[s])
         self.phases.tick("prepare")
-        works, sent = start_allreduce(groups, values)
+        works, spans, sent = start_waves(groups, values)
         self._publish(r, attempt, d.name, contributed)
+        # after the publish: the check's projectors take the codes it kept
+        self._pipe = pipe = Pipeline(self.layout, self.kv.signer, f"{r}/{attempt}/{d.name}", values, spans)
+        if self._gather is not None:
+            pipe.stage(self._gather, self.opt.params, self.opt.momentum(), len(d.members) - len(d.fresh), self.sync)
         self.phases.tick("mac_publish")
         stop = threading.Event()
         with ThreadPoolExecutor(1, thread_name_prefix="mac-fetch") as pool:
-            # the members' projections are read while the chunks travel (this thread only waits on gloo meanwhile)
+            # the members' projections are read while the chunks travel; each wave is projected
+            # (and stepped) here as it lands, while the later ones travel
             fetched = pool.submit(self._published, r, attempt, d, stop)
             try:
-                for w in works:
-                    w.wait()
+                for w, wave in enumerate(works):
+                    for work in wave:
+                        work.wait()
+                    pipe.landed(w)
             except BaseException:
                 stop.set()  # a failed exchange must not wait for a lost member's projections
                 raise
             self.phases.tick("transfer")
-            why = self._check(r, attempt, d, values, fetched.result())
+            why = self._check(r, attempt, d, values, fetched.result(), pipe.projections())
         self.phases.tick("mac_check")
         if d.fresh:
             sent += self._hand_over(groups, ring, d, self.kv.key("r", r, attempt, "state", d.name))
@@ -429,8 +468,9 @@ class P2PExchange:
                 out[s] = e
         return out
 
-    def _check(self, r: int, attempt: int, d: Decision, summed: dict[int, torch.Tensor], published: dict) -> str:
-        """Each owned shard's sum against the members' signed projections (``_published``); why not, or ''."""
+    def _check(self, r: int, attempt: int, d: Decision, summed: dict[int, torch.Tensor], published: dict, got: dict) -> str:
+        """Each owned shard's sum (its projections ``got``, fed wave by wave) against the members'
+        signed projections (``_published``); why not, or ''."""
         for s, t in summed.items():
             pub = published[s]
             if isinstance(pub, str):
@@ -438,7 +478,7 @@ class P2PExchange:
             try:
                 if isinstance(pub, Refused):
                     raise pub
-                mac.check(self.kv.signer, f"{r}/{attempt}/{d.name}", s, t, pub, self.sync.compression)
+                mac.check_projected(got[s], t, pub, self.sync.compression)
             except Refused as e:
                 self.kv.signer.refuse(self.mac_key(r, attempt, d.name, s, self.region), e, log_it=False)
                 return f"shard {s}: {e.kind}: {e.reason}"

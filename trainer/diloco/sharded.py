@@ -130,6 +130,60 @@ def start_allreduce(groups: ShardGroups, values: dict[int, torch.Tensor]) -> tup
     return works, sent
 
 
+WAVES = 1  # parts a shard's sum travels in at most: 2 and 4 waves on the same groups measured slower (docs/benchmarks.md)
+WAVE_MIN = 1 << 22  # values in the smallest wave, at least: each wave on a group pays the ring's round trips again
+
+
+def waves(length: int, count: int) -> list[tuple[int, int]]:
+    """[0, length) in up to ``count`` contiguous parts halving in size, the last two equal (1/2,
+    1/4, 1/8, 1/8 for 4): what is left after the transfer is the last wave's share; none empty."""
+    out, start = [], 0
+    for w in range(count):
+        size = length - start if w == count - 1 else min(length - start, max(1, (length - start) // 2))
+        if size <= 0:
+            break
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+def wave_count(layout: Layout, count: int = WAVES, least: int = WAVE_MIN) -> int:
+    """Waves per shard, the same for every shard of the job and on every rank (it depends on the
+    job's layout only): the most, up to ``count``, whose smallest wave of the smallest shard keeps
+    ``least`` values (1 for smaller shards: a wave costs the ring's latency again, ~0.44 s under
+    bench/wan-matrix.toml, more than the MAC pass it would hide there)."""
+    smallest = min(b - a for a, b in map(layout.span, range(layout.shards)))
+    for c in range(count, 1, -1):
+        parts = waves(smallest, c)
+        if len(parts) == c and min(b - a for a, b in parts) >= least:
+            return c
+    return 1
+
+
+def start_waves(
+    groups: ShardGroups, values: dict[int, torch.Tensor], count: int = WAVES, least: int = WAVE_MIN
+) -> tuple[list[list[Any]], list[list[tuple[int, int, int]]], int]:
+    """``start_allreduce`` in waves: wave ``w`` of every owned shard (``waves``) cut over the
+    streams' groups, queued behind wave ``w - 1`` on the same groups (gloo runs a group's
+    collectives in order), so the waves land one after another. Per wave its works and its
+    (shard, start, stop) parts (relative to the shard), and the bytes this rank sent."""
+    m, n = len(groups.mship.members), wave_count(groups.layout, count, least)
+    works: list[list[Any]] = [[] for _ in range(n)]
+    spans: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+    sent = 0
+    for w in range(n):
+        for s in sorted(values):  # every rank queues its groups' collectives in the same order
+            part = waves(values[s].numel(), n)[w]
+            spans[w].append((s, *part))
+            if m == 1:
+                continue
+            for c, (a, b) in enumerate(chunks(*part, groups.streams)):
+                piece = values[s][a:b]
+                works[w].append(groups.group(s, c).allreduce([piece], AllreduceOptions()))
+                sent += 2 * (m - 1) * piece.numel() * piece.element_size() // m
+    return works, spans, sent
+
+
 def gather_in_region(region_group: Any, layout: Layout, own: dict[int, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Every rank of the region gets every shard from its owner: the whole vector (fp32), and the
     bytes this rank sent (an owner sends its shards to the n-1 others)."""
