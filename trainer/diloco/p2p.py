@@ -339,7 +339,11 @@ class P2PExchange:
             self.store, self.kv.key("pg"), self.layout, ring, self.region, self.sync.streams, self.bind, timeout, self.cache
         )
         if self.quantized is not None:  # int8 / fp8: reduce-scatter and all-gather in the codec's bytes
-            return round_sum(self, groups, ring, r, attempt, d, current)
+            sent, summed, why = round_sum(self, groups, ring, r, attempt, d, current)
+            if d.fresh:
+                sent += self._hand_over(groups, ring, d, self.kv.key("r", r, attempt, "state", d.name))
+                self.phases.tick("hand_over")
+            return sent, summed, why
         dtype = SUMMABLE_DTYPES[self.sync.compression]
         self.phases.tick("other")
         make_groups(groups, self.layout.mine)

@@ -302,8 +302,8 @@ def round_sum(
     ex: P2PExchange, groups: ShardGroups, ring: Ring, r: int, attempt: int, d: Decision, current: torch.Tensor
 ) -> tuple[int, dict[int, torch.Tensor], str]:
     """``P2PExchange._sum`` for int8 / fp8: every owned shard's pseudo-gradient encoded (with its
-    residual), exchanged and summed as above, then the rejoin's hand-over as the fp16 path does.
-    Bytes sent, the sums (fp32), why a piece was refused ('')."""
+    residual), exchanged and summed as above (the caller hands a rejoining region the state, as on
+    the fp16 path). Bytes sent, the sums (fp32), why a piece was refused ('')."""
     q = ex.quantized
     assert q is not None
     ex.phases.tick("other")
@@ -323,11 +323,7 @@ def round_sum(
     corrupt = None if ex.corrupt is None else (lambda s, buf: ex.corrupt(r, s, buf))  # type: ignore[misc]
     out, sent, why = q.exchange(w, chunks, corrupt)
     ex.phases.tick("exchange")
-    summed = {s: torch.cat(out[s]) for s in ex.layout.mine}
-    if d.fresh:
-        sent += ex._hand_over(groups, ring, d, ex.kv.key("r", r, attempt, "state", d.name))
-        ex.phases.tick("hand_over")
-    return sent, summed, why
+    return sent, {s: torch.cat(out[s]) for s in ex.layout.mine}, why
 
 
 def quantized_allreduce(
