@@ -129,7 +129,7 @@ def main() -> None:
         worker(a)
         return
     shards = a.shards or a.ranks
-    print(f"checkpoint momentum gather: {a.ranks} ranks, S={shards}, gloo on 127.0.0.1, pieces of {PIECE * 4 / MB:.0f} MB")
+    print(f"checkpoint momentum gather: {a.ranks} ranks, S={shards}, gloo on 127.0.0.1, pieces of {PIECE * 4 / 2**20:.0f} MiB")
     print(f"{'values':>12} {'variant':>9} {'leader MB':>10} {'other MB':>9} {'own MB':>7} {'seconds':>8} {'load':>5}  checked")
     rows = []
     for size in (float(x) for x in a.sizes.split(",")):

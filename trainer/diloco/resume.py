@@ -37,13 +37,16 @@ def gathered(held: torch.Tensor | None, layout: Layout, group: Any, device: torc
     """Collective in the region (``group``: its training group, None for one rank): each rank's
     shards of the momentum (``held``, in ``layout.mine`` order) → the whole vector on the leader
     (in-region rank 0, on the CPU), None on the other ranks; None on every rank when any rank
-    holds none (before the first outer step). ``device``: where the group's messages live."""
+    holds none (before the first outer step). ``device``: the model's; the messages live there,
+    except on gloo (the CPU)."""
     flag = torch.tensor([0 if held is None else 1], device=device)
     if group is not None:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     if held is None or int(flag.item()) == 0:
         return None
     at = offsets(layout)
+    if group is not None and dist.get_backend(group) == "gloo":
+        device = torch.device("cpu")  # gloo's send and recv take CPU tensors only
     if layout.k != 0:
         for s in layout.mine:
             a, b = layout.span(s)
