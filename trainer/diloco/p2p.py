@@ -30,6 +30,7 @@ from geoshard.trainer.diloco import mac, state_auth
 from geoshard.trainer.diloco.auth import Refused
 from geoshard.trainer.diloco.codec import codec
 from geoshard.trainer.diloco.groups import Bind, CountingStore, GroupCache, gloo_group
+from geoshard.trainer.diloco.handover import OTHER_REFUSED, hand_over
 from geoshard.trainer.diloco.kv import KV, OuterSyncError
 from geoshard.trainer.diloco.membership import MAX_ATTEMPTS, Decision, Membership, last_round
 from geoshard.trainer.diloco.optimizer import OuterOptimizer
@@ -43,8 +44,6 @@ from geoshard.trainer.diloco.sharded import ShardGroups, gather_in_region, make_
 from geoshard.trainer.diloco.shards import Layout, shard_count
 
 log = logging.getLogger(__name__)
-
-OTHER_REFUSED = "another rank of the region refused its shard"
 
 Corrupt = Callable[[int, int, torch.Tensor], None]  # (round, shard, contribution): tests only
 OK, REFUSED, FAILED = 0, 1, 2  # an attempt's outcome on a rank; the region takes the worst
@@ -398,52 +397,8 @@ class P2PExchange:
             self.kv.set(self.mac_key(r, attempt, name, s, self.region), mac.encode_projections(projections))
 
     def _hand_over(self, groups: ShardGroups, ring: Ring, d: Decision, key: str) -> int:
-        """Regions that rejoined get the outer state (fp32 parameters and momentum) from the first
-        member in ring order that did not, peer to peer: each owner broadcasts its shards, in the
-        streams' chunks, on the shard's groups, before the step (which every member then takes
-        alike), with their signed digests under ``key`` (``state_auth``). The bytes this rank sent."""
-        source = next(g for g, _ in ring.members if g not in d.fresh)
-        root = ring.index(source)
-        mom = self.opt.momentum()
-        state = {
-            s: (p.clone(), torch.zeros_like(p) if mom is None else mom[i : i + p.numel()].clone())
-            for s, p, i in self._owned(self.opt.params)
-        }
-
-        def pieces(s: int) -> list[torch.Tensor]:
-            return [t for a, b in groups.pieces(s) for t in (state[s][0][a:b], state[s][1][a:b])]
-
-        if self.region == source:
-            for s in state:
-                state_auth.publish(self.kv, f"{key}/{s}", pieces(s))
-        works, sent = [], 0
-        for s, (params, momentum) in state.items():
-            for c, (a, b) in enumerate(groups.pieces(s)):
-                opts = BroadcastOptions()
-                opts.rootRank = root
-                for t in (params[a:b], momentum[a:b]):
-                    works.append(groups.group(s, c).broadcast([t], opts))
-                    sent += (len(ring.members) - 1) * 4 * (b - a) if self.region == source else 0
-        for w in works:
-            w.wait()
-        if self.region in d.fresh:
-            why = state_auth.check_all(self.kv, [(f"{key}/{s}", pieces(s)) for s in state], self.sync.round_timeout_s)
-            if region_max(self.region_group, int(bool(why))):
-                why = why or OTHER_REFUSED
-                raise OuterSyncError(f"DiLoCo: region {self.region} refused the outer state from {source} ({why}); start it again")
-            params = torch.cat([state[s][0] for s in self.layout.mine])
-            momentum = torch.cat([state[s][1] for s in self.layout.mine])
-            self.opt.reset(params, momentum if self.sync.outer_momentum > 0 else None)
-        return sent
-
-    def _owned(self, own: torch.Tensor) -> list[tuple[int, torch.Tensor, int]]:
-        """(shard, its part of ``own``, its offset in ``own``) for each owned shard."""
-        out, i = [], 0
-        for s in self.layout.mine:
-            a, b = self.layout.span(s)
-            out.append((s, own[i : i + b - a], i))
-            i += b - a
-        return out
+        """The rejoin hand-over (``handover.py``): the bytes this rank sent."""
+        return hand_over(self, groups, ring, d, key)
 
     def mac_key(self, r: int, attempt: int, name: str, s: int, region: str) -> str:
         return self.kv.key("r", r, attempt, "mac", name, s, region)

@@ -323,17 +323,16 @@ class DiLoCo:
         """Collective in the region: the outer momentum as of the last round the region took (a
         round in flight is not in it), whole, on the leader; None on the others, or before the
         first outer step."""
-        held = self._pending.kept_momentum() if self._pending is not None else self._momentum_now()
+        if self._pending is not None:
+            held = self._pending.kept_momentum()  # the round's thread made it a copy
+        elif self._p2p is not None:
+            held = self._p2p.opt.momentum()  # no round runs: read in place (the leader's gather copies it)
+        else:
+            mom = self._opt.momentum() if self.is_leader else None
+            return None if mom is None else mom.clone()
         if self._p2p is None:
             return held if self.is_leader else None
-        full = gathered(held, self._p2p.layout, self.group, self.params[0].device)
-        return full if self.is_leader else None
-
-    def _momentum_now(self) -> torch.Tensor | None:
-        """This rank's momentum (p2p: its shards; store: the leader's whole), a copy."""
-        opt = self._p2p.opt if self._p2p is not None else self._opt
-        mom = opt.momentum() if self._p2p is not None or self.is_leader else None
-        return None if mom is None else mom.clone()
+        return gathered(held, self._p2p.layout, self.group, self.params[0].device)  # to the leader only
 
     def maybe_sync(self, step: int) -> RoundRecord | None:
         """After inner step ``step`` (1-based): a round when ``step`` is a multiple of ``outer_steps``;
