@@ -110,12 +110,7 @@ class P2PExchange:
         return torch.cat([flat[slice(*self.layout.span(s))] for s in self.layout.mine])
 
     def _pieces(self, own: torch.Tensor) -> dict[int, torch.Tensor]:
-        out, i = {}, 0
-        for s in self.layout.mine:
-            a, b = self.layout.span(s)
-            out[s] = own[i : i + b - a]
-            i += b - a
-        return out
+        return self.layout.by_shard(own)
 
     # -- one round ----------------------------------------------------------------------------------
     def run(self, r: int, step: int, current: torch.Tensor, t0: float) -> tuple[RoundRecord, torch.Tensor]:
