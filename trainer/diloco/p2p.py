@@ -140,6 +140,8 @@ class P2PExchange:
                 break
             log.warning("DiLoCo: outer round %d attempt %d among %s failed (%s); the others redo it", r, attempt, ", ".join(d.members), why)
             previous = d.members
+        if self.quantized is not None:
+            self.quantized.end()  # no attempt of this round follows
         self.phases.tick("other")
         if self._full is not None:  # the staged step's gather ran while the waves travelled
             full, gathered = self._full, (self.layout.n - 1) * 4 * self.layout.own_numel

@@ -110,6 +110,11 @@ class Quantized:
         else:
             self._start = (r, dict(self.residual))
 
+    def end(self) -> None:
+        """The round is over (taken, refused or given up): the residual it started with is let go,
+        so between rounds a rank holds one residual (4 bytes an owned value), not two."""
+        self._start = (-1, {})
+
     def encode_shard(self, s: int, delta: torch.Tensor, cuts: Sequence[Sequence[tuple[int, int]]], fresh: bool) -> list[list[bytes]]:
         """Shard ``s``'s pseudo-gradient (plus its residual) encoded per chunk and part (``cuts``:
         per chunk, its parts' [a, b) within the shard); the residual becomes what they dropped. A
