@@ -372,13 +372,15 @@ def test_chunks_of_fewer_values_than_regions_sum_exactly_on_unequal_regions(name
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("resumed", [True, False])
 def test_a_region_killed_under_int8_rejoins_peer_to_peer_with_its_checkpointed_residual_and_the_redo_counts_each_once(
-    tmp_path: Path,
+    resumed: bool, tmp_path: Path
 ) -> None:
     """ap-southeast-1 is SIGKILLed in round 3's exchange and started again: the survivors redo round
     3 from the residual round 2 left (not the failed attempt's), ap-southeast-1 takes the fp32 state
-    peer to peer, sends zeros in that round keeping its checkpoint's residual, and from then on the
-    rounds tables, the parameters and every int8 sum agree."""
+    peer to peer, sends zeros in that round keeping its residual (its checkpoint's when resumed,
+    none after a plain restart), and from then on the rounds tables, the parameters and every int8
+    sum agree."""
     store = host_store("127.0.0.1", timeout_s=60)
     members = "us-east-1:1,eu-west-1:2,ap-southeast-1:1"
     procs = start_ranks("rejoin", members, tmp_path, "int8", store.port)
@@ -387,6 +389,9 @@ def test_a_region_killed_under_int8_rejoins_peer_to_peer_with_its_checkpointed_r
         assert ap.wait(timeout=300) == -9, "\n".join(f.read_text()[-3000:] for f in tmp_path.glob("*.log"))
         for suffix in ("log", "ex.pt"):
             (tmp_path / f"ap-southeast-1-0.{suffix}").rename(tmp_path / f"ap-southeast-1-0.first.{suffix}")
+        saved = tmp_path / "ap-southeast-1.ckpt.pt"
+        if not resumed:  # a plain restart: no checkpoint to load
+            saved = saved.rename(tmp_path / "ap-southeast-1.kept.pt")
         with (tmp_path / "ap-southeast-1-0.log").open("w") as log:
             procs["ap-southeast-1-0"] = subprocess.Popen([*ap.args, "again"], stdout=log, stderr=subprocess.STDOUT, text=True)  # type: ignore[misc]
         codes = {name: p.wait(timeout=300) for name, p in procs.items()}
@@ -429,11 +434,11 @@ def test_a_region_killed_under_int8_rejoins_peer_to_peer_with_its_checkpointed_r
     assert failed and all(r == 3 for _, r in failed), failed  # the survivors' attempt the kill broke, after they encoded
     for name in ("us-east-1-0", "eu-west-1-0", "eu-west-1-1", "ap-southeast-1-0.first"):
         check_residuals(c, ex[name])
-    ckpt = torch.load(tmp_path / "ap-southeast-1.ckpt.pt")["residual"]
+    ckpt = torch.load(saved)["residual"]
     assert float(ckpt.abs().max()) > 0
     assert torch.equal(ckpt, torch.cat([ex["ap-southeast-1-0.first"][1]["shards"][s]["after"] for s in (0, 1)]))  # round 2's
     numel = ckpt.numel()
-    check_residuals(c, ex["ap-southeast-1-0"], {s: ckpt[slice(*span(numel, 2, s))] for s in (0, 1)})
+    check_residuals(c, ex["ap-southeast-1-0"], {s: ckpt[slice(*span(numel, 2, s))] for s in (0, 1)} if resumed else None)
     mine = [e for e in ex["ap-southeast-1-0"] if e["ok"]]
     assert mine[0]["r"] == back[0]["round"] and all(sh["fresh"] for sh in mine[0]["shards"].values())
     assert len(mine) >= 2 and not any(sh["fresh"] for sh in mine[1]["shards"].values())

@@ -15,8 +15,9 @@ argv: MODE REGION RANK STORE_PORT MEMBERS COMPRESSION OUT REGION_PORT [AGAIN]
   rejoin  DiLoCo for 10 rounds paced by 0.4 s a step, a model of 84k parameters; every rank saves
           its region's error feedback state after round 2 (OUT/REGION.ckpt.pt, as a checkpoint
           does); ap-southeast-1 writes the time and SIGKILLs itself in round 3's exchange.
-          Started again with AGAIN=again, it rejoins, loads that state after join (as the
-          trainer's resume does) and takes part until the others finish
+          Started again with AGAIN=again, it rejoins, loads that state after join if the file is
+          there (as the trainer's resume does; else its residual starts at zero, as a plain
+          restart's) and takes part until the others finish
   Each DiLoCo rank appends its round records (with the time and a digest of its model) to
   OUT/REGION-RANK.jsonl. In overlap, tiny and rejoin every exchange's inputs and outputs go to
   OUT/REGION-RANK.ex.pt (``record``). A region of several ranks is its own gloo world on
@@ -88,7 +89,7 @@ def rounds(mode: str, region: str, rank: int, store: dist.TCPStore, members: lis
         model, sync, region, names, group=group, secret=read_secret(Path(out, "secret")), ranks=[k for _, k in members], corrupt=corrupt
     )
     joined = diloco.join(store)
-    if again:  # as the trainer's resume: the checkpoint's residual after join (trainer/diloco/loop.py)
+    if again and Path(out, f"{region}.ckpt.pt").exists():  # as --resume: the checkpoint's residual after join (diloco/loop.py)
         diloco.load_feedback(torch.load(Path(out, f"{region}.ckpt.pt")))
     if mode in ("overlap", "tiny", "rejoin"):
         record(diloco, Path(out, f"{region}-{rank}.ex.pt"))
