@@ -109,12 +109,7 @@ class P2PExchange:
         return torch.cat([flat[slice(*self.layout.span(s))] for s in self.layout.mine])
 
     def _pieces(self, own: torch.Tensor) -> dict[int, torch.Tensor]:
-        out, i = {}, 0
-        for s in self.layout.mine:
-            a, b = self.layout.span(s)
-            out[s] = own[i : i + b - a]
-            i += b - a
-        return out
+        return self.layout.by_shard(own)
 
     # -- one round ----------------------------------------------------------------------------------
     def run(self, r: int, step: int, current: torch.Tensor, t0: float) -> tuple[RoundRecord, torch.Tensor]:
@@ -144,6 +139,8 @@ class P2PExchange:
                 break
             log.warning("DiLoCo: outer round %d attempt %d among %s failed (%s); the others redo it", r, attempt, ", ".join(d.members), why)
             previous = d.members
+        if self.quantized is not None:
+            self.quantized.end()  # no attempt of this round follows
         self.phases.tick("other")
         if self._full is not None:  # the staged step's gather ran while the waves travelled
             full, gathered = self._full, (self.layout.n - 1) * 4 * self.layout.own_numel

@@ -69,6 +69,16 @@ def _tensor(payload: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
 
 
+def _decode(c: Codec, payload: bytes, n: int) -> torch.Tensor:
+    """``c.decode``, and an empty part (a chunk of fewer values than members) as no values: the
+    codec cannot view an empty buffer; its size is checked all the same."""
+    if n == 0:
+        if payload:
+            raise Refused("malformed", f"{len(payload)} bytes for an empty part")
+        return torch.zeros(0, dtype=torch.float32)
+    return c.decode(payload, n)
+
+
 @dataclass(frozen=True)
 class Where:
     """One exchange's place: the round, attempt, membership name, this member's index, the members."""
@@ -87,9 +97,24 @@ class Quantized:
         self.codec, self.kv, self.timeout_s = c, kv, timeout_s
         self.feedback = feedback
         self.residual: dict[int, torch.Tensor] = {}  # per owned shard, from its first round
+        self._start: tuple[int, dict[int, torch.Tensor]] = (-1, {})  # the round in flight, its residual before its first attempt
         self.published: dict[int, list[str]] = {}  # per round, the digest keys this rank set (deleted two rounds on)
 
     # -- error feedback ------------------------------------------------------------------------
+    def begin(self, r: int) -> None:
+        """Before each attempt of round ``r``: a redo (an attempt that failed: its encodings never
+        arrived) encodes from the residual the round started with. The failed attempt's residual
+        is the rounding of values nobody received: from it the redo would lose the carried residual."""
+        if self._start[0] == r:
+            self.residual = dict(self._start[1])  # encode_shard replaces a shard's tensor, never changes it
+        else:
+            self._start = (r, dict(self.residual))
+
+    def end(self) -> None:
+        """The round is over (taken, refused or given up): the residual it started with is let go,
+        so between rounds a rank holds one residual (4 bytes an owned value), not two."""
+        self._start = (-1, {})
+
     def encode_shard(self, s: int, delta: torch.Tensor, cuts: Sequence[Sequence[tuple[int, int]]], fresh: bool) -> list[list[bytes]]:
         """Shard ``s``'s pseudo-gradient (plus its residual) encoded per chunk and part (``cuts``:
         per chunk, its parts' [a, b) within the shard); the residual becomes what they dropped. A
@@ -102,7 +127,7 @@ class Quantized:
             sent = torch.empty_like(x)
             for chunk, payloads in zip(cuts, out, strict=True):
                 for (a, b), p in zip(chunk, payloads, strict=True):
-                    sent[a:b] = self.codec.decode(p, b - a)
+                    sent[a:b] = _decode(self.codec, p, b - a)
             self.residual[s] = x - sent
         return out
 
@@ -202,7 +227,7 @@ class Quantized:
         return out, sent, why
 
     def _decode_whole(self, payloads: list[bytes], cut: list[tuple[int, int]]) -> torch.Tensor:
-        return torch.cat([self.codec.decode(p, b - a) for p, (a, b) in zip(payloads, cut, strict=True)])
+        return torch.cat([_decode(self.codec, p, b - a) for p, (a, b) in zip(payloads, cut, strict=True)])
 
     def _publish(self, w: Where, step: str, s: int, pieces: Sequence[bytes]) -> None:
         """Signed under this rank's key for shard ``s``: the HMAC of each piece it sends ('-' for none)."""
@@ -231,6 +256,8 @@ class Quantized:
             raise macs
         if len(macs) <= index:
             raise Refused("malformed", f"{key} holds {len(macs)} digests, piece {index} was sent")
+        if macs[index] == "-" and piece.numel() == 0:  # an empty part: nothing sent, nothing signed
+            return
         try:
             self.kv.signer.check_mac(f"{key}/{index}", piece.numpy().data, macs[index])
         except Refused as e:
@@ -248,12 +275,12 @@ class Quantized:
         try:
             for i, size in enumerate(outs):
                 if i == w.me:
-                    total += self.codec.decode(own, n)
+                    total += _decode(self.codec, own, n)
                     continue
                 piece = got[offset : offset + size]
                 offset += size
                 self._check(digests, self.key(w, "q1", s, w.members[i]), w.members[i], c * len(outs) + w.me, piece)
-                total += self.codec.decode(_bytes(piece), n)
+                total += _decode(self.codec, _bytes(piece), n)
         except Refused as e:
             return None, f"shard {s}: {e.kind}: {e.reason}"
         return total, ""
@@ -287,12 +314,12 @@ class Quantized:
             a, b = cut[i]
             try:
                 if i == w.me:
-                    out[a:b] = self.codec.decode(mine, b - a)
+                    out[a:b] = _decode(self.codec, mine, b - a)
                     continue
                 piece = back[offset : offset + size]
                 offset += size
                 self._check(digests, self.key(w, "q2", s, w.members[i]), w.members[i], c, piece)
-                out[a:b] = self.codec.decode(_bytes(piece), b - a)
+                out[a:b] = _decode(self.codec, _bytes(piece), b - a)
             except Refused as e:
                 why = why or f"shard {s}: {e.kind}: {e.reason}"
         return out, why
@@ -311,11 +338,9 @@ def round_sum(
     ex.phases.tick("groups")
     members = tuple(g for g, _ in ring.members)
     w = Where(r, attempt, ring.name, members.index(ex.region), members)
-    deltas, offset = {}, 0
-    for s in ex.layout.mine:
-        a, b = ex.layout.span(s)
-        deltas[s] = ex.opt.params[offset : offset + b - a] - current[a:b]
-        offset += b - a
+    outer = ex.layout.by_shard(ex.opt.params)
+    deltas = {s: outer[s] - current[slice(*ex.layout.span(s))] for s in ex.layout.mine}
+    q.begin(r)
     chunks, bad = q.prepare(groups, deltas, len(members), ex.region in d.fresh)
     for why in bad:  # the others refuse it at once, as the store path's leaders do
         log.warning("DiLoCo: region %s sends an unusable pseudo-gradient for round %d: %s", ex.region, r, why)

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from geoshard.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def shard_count(ranks_per_region: Sequence[int]) -> int:
@@ -63,3 +67,14 @@ class Layout:
     def own_numel(self) -> int:
         """Values this rank keeps of the outer state (about numel / n)."""
         return sum(b - a for a, b in map(self.span, self.mine))
+
+    def by_shard(self, own: torch.Tensor) -> dict[int, torch.Tensor]:
+        """This rank's owned shards concatenated (``own``: its outer parameters, momentum or residual)
+        cut back into each shard's part, by shard: views, in ``mine`` order."""
+        assert own.numel() == self.own_numel, (own.numel(), self.own_numel)
+        out, i = {}, 0
+        for s in self.mine:
+            a, b = self.span(s)
+            out[s] = own[i : i + b - a]
+            i += b - a
+        return out
