@@ -13,7 +13,6 @@ from geoshard.trainer.diloco import state_auth
 from geoshard.trainer.diloco.kv import OuterSyncError
 from geoshard.trainer.diloco.sharded import Membership as Ring
 from geoshard.trainer.diloco.sharded import ShardGroups, region_max
-from geoshard.trainer.diloco.shards import Layout
 
 if TYPE_CHECKING:
     from geoshard.trainer.diloco.membership import Decision
@@ -30,9 +29,10 @@ def hand_over(ex: P2PExchange, groups: ShardGroups, ring: Ring, d: Decision, key
     source = next(g for g, _ in ring.members if g not in d.fresh)
     root = ring.index(source)
     mom = ex.opt.momentum()
+    at = ex.layout.offsets()
     state = {
-        s: (p.clone(), torch.zeros_like(p) if mom is None else mom[i : i + p.numel()].clone())
-        for s, p, i in owned(ex.layout, ex.opt.params)
+        s: (p.clone(), torch.zeros_like(p) if mom is None else mom[at[s] : at[s] + p.numel()].clone())
+        for s, p in ex.layout.by_shard(ex.opt.params).items()
     }
 
     def pieces(s: int) -> list[torch.Tensor]:
@@ -60,13 +60,3 @@ def hand_over(ex: P2PExchange, groups: ShardGroups, ring: Ring, d: Decision, key
         momentum = torch.cat([state[s][1] for s in ex.layout.mine])
         ex.opt.reset(params, momentum if ex.sync.outer_momentum > 0 else None)
     return sent
-
-
-def owned(layout: Layout, own: torch.Tensor) -> list[tuple[int, torch.Tensor, int]]:
-    """(shard, its part of ``own``, its offset in ``own``) for each owned shard."""
-    out, i = [], 0
-    for s in layout.mine:
-        a, b = layout.span(s)
-        out.append((s, own[i : i + b - a], i))
-        i += b - a
-    return out

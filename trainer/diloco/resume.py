@@ -44,7 +44,7 @@ def gathered(held: torch.Tensor | None, layout: Layout, group: Any, device: torc
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     if held is None or int(flag.item()) == 0:
         return None
-    at = offsets(layout)
+    at = layout.offsets()
     if group is not None and dist.get_backend(group) == "gloo":
         device = torch.device("cpu")  # gloo's send and recv take CPU tensors only
     if layout.k != 0:
@@ -67,15 +67,6 @@ def gathered(held: torch.Tensor | None, layout: Layout, group: Any, device: torc
             if buf is not None:
                 full[c:e] = into
     return full
-
-
-def offsets(layout: Layout) -> dict[int, int]:
-    """Where each of this rank's shards starts in its concatenation (``layout.mine`` order)."""
-    out, i = {}, 0
-    for s in layout.mine:
-        a, b = layout.span(s)
-        out[s], i = i, i + b - a
-    return out
 
 
 def pieces(a: int, b: int) -> list[tuple[int, int]]:

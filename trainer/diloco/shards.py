@@ -68,13 +68,17 @@ class Layout:
         """Values this rank keeps of the outer state (about numel / n)."""
         return sum(b - a for a, b in map(self.span, self.mine))
 
+    def offsets(self) -> dict[int, int]:
+        """Where each owned shard starts in this rank's own vector (its shards concatenated in
+        ``mine`` order), by shard, in ``mine`` order."""
+        out, i = {}, 0
+        for s in self.mine:
+            a, b = self.span(s)
+            out[s], i = i, i + b - a
+        return out
+
     def by_shard(self, own: torch.Tensor) -> dict[int, torch.Tensor]:
         """This rank's owned shards concatenated (``own``: its outer parameters, momentum or residual)
         cut back into each shard's part, by shard: views, in ``mine`` order."""
         assert own.numel() == self.own_numel, (own.numel(), self.own_numel)
-        out, i = {}, 0
-        for s in self.mine:
-            a, b = self.span(s)
-            out[s] = own[i : i + b - a]
-            i += b - a
-        return out
+        return {s: own[i : i + b - a] for s, i in self.offsets().items() for a, b in [self.span(s)]}
