@@ -22,7 +22,7 @@ from test_generations_train import ADDED, _first_generation, _wait_for_steps
 
 from geoshard.trainer.diloco.auth import Signer
 from geoshard.trainer.diloco.generations import PREFIX, RegionGenerations
-from geoshard.trainer.diloco.kv import KV, host_store
+from geoshard.trainer.diloco.kv import KV, connect_store, host_store
 
 GEOSHARD = str(Path(sys.executable).with_name("geoshard"))
 H = 5  # outer steps: two rounds an epoch of 10 steps (12 after the refresh)
@@ -157,8 +157,10 @@ SECRET = b"s" * 32
 
 
 def _leaders(timeout_s: float = 10.0) -> tuple[Any, RegionGenerations, RegionGenerations]:
+    """The job's store (held by the caller) and each region leader's own connection to it."""
     store = host_store(timeout_s=10.0)
-    us, eu = (RegionGenerations(r, (US, EU), kv=KV(store, PREFIX, Signer(SECRET)), start_timeout_s=timeout_s) for r in (US, EU))
+    kvs = [KV(connect_store("127.0.0.1", store.port, 10.0), PREFIX, Signer(SECRET)) for _ in (US, EU)]
+    us, eu = (RegionGenerations(r, (US, EU), kv=kv, start_timeout_s=timeout_s) for r, kv in zip((US, EU), kvs, strict=True))
     return store, us, eu
 
 
@@ -174,14 +176,16 @@ def _pin_both(us: RegionGenerations, eu: RegionGenerations, newest: dict[str, in
 
 
 def test_the_pin_at_start_is_the_least_generation_the_regions_published() -> None:
-    _, us, eu = _leaders()
+    _store, us, eu = _leaders()
+    began = time.monotonic()
     assert _pin_both(us, eu, {US: 1, EU: 2}) == {US: 1, EU: 1}
-    _, us, eu = _leaders()
+    assert time.monotonic() - began < 5  # not the bound: both reported
+    _store, us, eu = _leaders()
     assert _pin_both(us, eu, {US: 3, EU: None}) == {US: 3, EU: 3}  # a region without a bucket has no say
 
 
 def test_a_generation_one_region_has_moves_no_region_and_both_move_at_one_announced_epoch() -> None:
-    _, us, eu = _leaders()
+    _store, us, eu = _leaders()
     _pin_both(us, eu, {US: 1, EU: 1})
     assert eu(2, 3) == 1 and us(1, 3) == 1 and eu(2, 4) == 1  # only eu-west-1 has 2: nobody moves
     assert us(2, 4) == 1  # us-east-1 has it now: it announces epoch 5 for both, and epoch 4 stays on 1
@@ -191,9 +195,9 @@ def test_a_generation_one_region_has_moves_no_region_and_both_move_at_one_announ
 
 
 def test_a_report_not_signed_by_the_job_counts_as_missing_and_is_named_once(caplog: pytest.LogCaptureFixture) -> None:
-    store, us, eu = _leaders()
+    _store, us, eu = _leaders()
     _pin_both(us, eu, {US: 1, EU: 1})
-    forged = KV(store, PREFIX, Signer(b"x" * 32))
+    forged = KV(_store, PREFIX, Signer(b"x" * 32))
     for _ in range(2):
         forged.set(forged.key("report", EU), "9")
         assert us(9, 2) == 1 and us(9, 3) == 1
@@ -207,7 +211,7 @@ def test_a_report_not_signed_by_the_job_counts_as_missing_and_is_named_once(capl
 
 
 def test_a_region_silent_at_start_is_waited_for_with_a_bound_and_named(caplog: pytest.LogCaptureFixture) -> None:
-    _, us, _ = _leaders(timeout_s=0.3)
+    _store, us, _ = _leaders(timeout_s=0.3)
     began = time.monotonic()
     assert us(2, None) == 2
     assert time.monotonic() - began < 5

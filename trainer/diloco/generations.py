@@ -133,12 +133,10 @@ class RegionGenerations:
 
     def _reports(self, kv: KV) -> dict[str, int | None]:
         """Each region's report: its generation, 0 for no bucket (no say), None when missing or refused."""
-        out: dict[str, int | None] = {}
-        for r in self.regions:
-            key = kv.key("report", r)
-            raw = kv.get(key)
-            out[r] = None if raw is None else _number(kv, key, raw, NO_BUCKET)
-        return out
+        keys = [kv.key("report", r) for r in self.regions]
+        # Once every region has reported (the usual case): two round trips, whatever the number of regions.
+        raws = kv.open_many(keys) if kv.store.check(keys) else [kv.get(k) for k in keys]
+        return {r: None if raw is None else _number(kv, k, raw, NO_BUCKET) for r, k, raw in zip(self.regions, keys, raws, strict=True)}
 
     def _announce(self, kv: KV, generation: int, epoch: int) -> None:
         key = kv.key("from", generation)
