@@ -218,3 +218,15 @@ def test_a_region_silent_at_start_is_waited_for_with_a_bound_and_named(caplog: p
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(said) == 1 and f"{EU} said nothing within 0.3 s" in said[0], said
     assert us(2, 1) == 2  # no move, no announcement while eu-west-1 is silent
+
+
+def test_a_region_more_than_an_epoch_ahead_of_the_announcement_moves_at_its_next_decision_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _store, us, eu = _leaders()
+    _pin_both(us, eu, {US: 1, EU: 1})
+    assert us(2, 5) == 1  # us-east-1 runs ahead; eu-west-1 has not reported generation 2 yet
+    assert eu(2, 3) == 1  # now both have it: announced from epoch 4, which us-east-1 decided already
+    assert eu(2, 4) == 2 and us(2, 6) == 2 and us(2, 7) == 2
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and f"region {US} reads generation 2 from epoch 6; the job announced it from epoch 4" in said[0], said

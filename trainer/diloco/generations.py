@@ -88,7 +88,7 @@ class RegionGenerations:
                 self._late.add(g)
                 log.warning(
                     "DiLoCo: region %s reads generation %d from epoch %d; the job announced it from epoch %d, which this "
-                    "region had decided already (it ran more than %d epoch(s) behind)",
+                    "region had decided already (it ran more than %d epoch(s) ahead of the region that announced it, or resumed)",
                     self.region,
                     g,
                     epoch,
