@@ -230,3 +230,10 @@ def test_a_region_more_than_an_epoch_ahead_of_the_announcement_moves_at_its_next
     assert eu(2, 4) == 2 and us(2, 6) == 2 and us(2, 7) == 2
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(said) == 1 and f"region {US} reads generation 2 from epoch 6; the job announced it from epoch 4" in said[0], said
+
+
+def test_a_restarted_leader_never_reports_lower_than_its_region_did() -> None:
+    _store, us, eu = _leaders()
+    _pin_both(us, eu, {US: 2, EU: 2})
+    again = RegionGenerations(US, (US, EU), kv=KV(connect_store("127.0.0.1", _store.port, 10.0), PREFIX, Signer(SECRET)))
+    assert again(1, None) == 2 and again.reported == 2  # its bucket read older (a stale endpoint): the report stays

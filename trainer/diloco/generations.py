@@ -104,6 +104,10 @@ class RegionGenerations:
                 raise RuntimeError("RegionGenerations needs a store address or a KV")
             a = self.address
             self.kv = KV(connect_store(a.host, a.port, a.timeout_s), PREFIX, Signer(read_secret(a.secret_file)))
+        if self.reported == 0:  # a restarted region goes on from what its last leader reported
+            key = self.kv.key("report", self.region)
+            raw = self.kv.get(key)
+            self.reported = (_number(self.kv, key, raw, NO_BUCKET) or 0) if raw is not None else 0
         return self.kv
 
     def _report(self, kv: KV, newest: int | None) -> None:
@@ -127,8 +131,8 @@ class RegionGenerations:
                 self.start_timeout_s,
             )
         reports = self._reports(kv)
-        if newest is not None:
-            reports[self.region] = newest  # this region's own figure needs no store
+        if self.reported > 0:
+            reports[self.region] = self.reported  # this region's own figure needs no store
         return _least(reports)
 
     def _reports(self, kv: KV) -> dict[str, int | None]:
