@@ -66,7 +66,7 @@ class FollowsGenerations:
         ``epoch`` moves to a newer generation: the newest every rank's region has published."""
         if not self.follow_refresh or (self._next is not None and self._next[0] == epoch):
             return
-        newest, probed = gen.agreed(self.chain(), self._topology)
+        newest, probed = gen.agreed(self.chain(), self._topology, epoch)
         if newest is None or newest <= self.manifest.generation:
             return
         pin = self._pin(newest, probed)

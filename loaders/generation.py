@@ -48,19 +48,30 @@ def bucket_manifest(chain: TierChain) -> RegionManifest | None:
     return None if chain.origin is None else chain.manifest_from(chain.origin, MANIFEST, [], probe=True)
 
 
-def agreed(chain: TierChain, topology: Topology | None) -> tuple[int | None, RegionManifest | None]:
+def agreed(chain: TierChain, topology: Topology | None, epoch: int | None = None) -> tuple[int | None, RegionManifest | None]:
     """The newest generation every rank's region has published (collective), and this region's
-    bucket manifest read to learn it (the one to use where it is that generation)."""
+    bucket manifest read to learn it (the one to use where it is that generation). ``epoch``: the
+    one being decided (None: the pin at start)."""
     probed = bucket_manifest(chain)
-    return agree(topology, None if probed is None else probed.generation), probed
+    return agree(topology, None if probed is None else probed.generation, epoch), probed
 
 
-def agree(topology: Topology | None, newest: int | None) -> int | None:
+def agree(topology: Topology | None, newest: int | None, epoch: int | None = None) -> int | None:
     """The newest generation every rank's region has published (collective with a live topology):
-    the least of the ranks' figures; a rank without a bucket has no say."""
-    seen = [newest] if topology is None or not topology.live or topology.world_size == 1 else topology.all_gather(newest)
+    the least of the ranks' figures; a rank without a bucket has no say. Where the world does not
+    span the job's regions (``topology.regions_agree``), the region leader asks the other regions
+    too, and its answer is every rank's of the region."""
+    live = topology is not None and topology.live and topology.world_size > 1
+    seen = topology.all_gather(newest) if topology is not None and live else [newest]
     known = [int(g) for g in seen if g is not None]
-    return min(known) if known else None
+    least = min(known) if known else None
+    if topology is None or topology.regions_agree is None:
+        return least
+    mine = topology.regions_agree(least, epoch) if topology.is_leader else None
+    if not live:
+        return mine
+    said = topology.all_gather(mine)[topology.leader]  # only the leader's value counts
+    return None if said is None else int(said)
 
 
 def open_generation(chain: TierChain, generation: int | None, probed: RegionManifest | None = None) -> RegionManifest:

@@ -10,7 +10,7 @@ a dataset needs: plain data that crosses into DataLoader workers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,9 @@ class RegionShare:
             raise ConfigError(f"samples_per_rank must be 0 or more, got {self.samples_per_rank}")
 
 
+RegionsAgree = Callable[[int | None, int | None], int | None]
+
+
 @dataclass(frozen=True)
 class Topology:
     rank: int
@@ -40,6 +43,10 @@ class Topology:
     # Process groups exist only in a live job (``discover``); the map alone is enough everywhere else.
     region_group: Any = field(default=None, compare=False, repr=False)
     leader_group: Any = field(default=None, compare=False, repr=False)
+    # A job whose worlds do not span its regions (DiLoCo: one world a region): what every region has
+    # published, agreed by the trainer's side channel. Called on the region leader only, with the
+    # region's newest and the epoch being decided (None: the pin at start); returns what it reads.
+    regions_agree: RegionsAgree | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < len(self.regions):

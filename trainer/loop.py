@@ -36,6 +36,7 @@ from geoshard.trainer.checkpoint import CheckpointStore, loader_position
 from geoshard.trainer.comm import CommState, for_sync, resolve_sync
 from geoshard.trainer.config import TrainConfig
 from geoshard.trainer.context import RankContext
+from geoshard.trainer.diloco.generations import RegionGenerations
 from geoshard.trainer.diloco.loop import OuterLoop
 from geoshard.trainer.listen import process_group_store
 from geoshard.trainer.metrics import Metrics
@@ -192,9 +193,12 @@ def _train(cfg: TrainConfig, ctx: RankContext, started_at: float | None) -> Rank
 
 
 def _make_loader(cfg: TrainConfig, ctx: RankContext) -> RegionalLoader:
+    topology = ctx.topology
+    if cfg.sync == "diloco":  # each region its own world: the generation is agreed through the outer store
+        topology = dataclasses.replace(topology, regions_agree=RegionGenerations.for_job(cfg, ctx.region))
     return make_loader(
         cfg.plan,
-        topology=ctx.topology,
+        topology=topology,
         batch_size=cfg.batch_size,
         num_workers=cfg.num_workers,
         collate_fn=ModelInput(cfg.input_field, cfg.label_field) if cfg.model != "none" else count_collate,
