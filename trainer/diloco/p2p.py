@@ -26,13 +26,13 @@ from typing import Any
 import torch
 from torch.distributed import BroadcastOptions
 
-from geoshard.trainer.diloco import mac, state_auth
+from geoshard.trainer.diloco import mac, round0
 from geoshard.trainer.diloco.auth import Refused
 from geoshard.trainer.diloco.codec import codec
 from geoshard.trainer.diloco.groups import Bind, CountingStore, GroupCache, gloo_group
-from geoshard.trainer.diloco.handover import OTHER_REFUSED, hand_over
-from geoshard.trainer.diloco.kv import KV, OuterSyncError
-from geoshard.trainer.diloco.membership import MAX_ATTEMPTS, Decision, Membership, last_round
+from geoshard.trainer.diloco.handover import hand_over
+from geoshard.trainer.diloco.kv import KV
+from geoshard.trainer.diloco.membership import MAX_ATTEMPTS, Decision, Membership
 from geoshard.trainer.diloco.optimizer import OuterOptimizer
 from geoshard.trainer.diloco.pipeline import Gather, Pipeline
 from geoshard.trainer.diloco.quantized import Quantized, round_sum
@@ -108,9 +108,6 @@ class P2PExchange:
         """This rank's shards of a full flat vector, concatenated."""
         return torch.cat([flat[slice(*self.layout.span(s))] for s in self.layout.mine])
 
-    def _pieces(self, own: torch.Tensor) -> dict[int, torch.Tensor]:
-        return self.layout.by_shard(own)
-
     # -- one round ----------------------------------------------------------------------------------
     def run(self, r: int, step: int, current: torch.Tensor, t0: float) -> tuple[RoundRecord, torch.Tensor]:
         """Round ``r`` from this rank's current parameters (flat fp32): its record and the new full parameters."""
@@ -119,7 +116,7 @@ class P2PExchange:
         self._full = None
         sent, left_out, previous, adopted = 0, tuple[tuple[str, str], ...](), tuple[str, ...](), False
         for attempt in range(MAX_ATTEMPTS):
-            d = self._decide(r, attempt, previous)
+            d = self.decide(r, attempt, previous)
             adopted = self.region in d.fresh
             if not d.member:
                 log.warning("DiLoCo: region %s missed outer round %d; it keeps its own parameters for it", self.region, r)
@@ -145,7 +142,7 @@ class P2PExchange:
         if self._full is not None:  # the staged step's gather ran while the waves travelled
             full, gathered = self._full, (self.layout.n - 1) * 4 * self.layout.own_numel
         else:
-            full, gathered = gather_in_region(self.region_group, self.layout, self._pieces(self.opt.params))
+            full, gathered = gather_in_region(self.region_group, self.layout, self.layout.by_shard(self.opt.params))
         self.phases.tick("gather")
         if self.layout.k == 0:
             self.membership.tidy()  # old rounds' keys, once this round no longer waits on the store
@@ -157,100 +154,12 @@ class P2PExchange:
         rec = replace(rec, adopted=adopted, refused=refused, left_out=left_out, transport="p2p", store_bytes=store_bytes)
         return replace(rec, phases=self.phases.record()), full
 
-    # -- round 0 ------------------------------------------------------------------------------------
+    # -- round 0 (round0.py) ------------------------------------------------------------------------
     def first_round(self, source: str, current: torch.Tensor, join_timeout_s: float) -> tuple[torch.Tensor, int, int]:
-        """Round 0 (a fresh or wholly resumed job): every region starts from ``source``'s parameters
-        (the job's first region: its own, or its checkpoint's). ``source``'s owners broadcast their
-        fp32 shards on the shards' groups (round 1 reuses them while its members are the same), the
-        other member regions' owners take them, and each region gathers them: the store carries the
-        membership and the groups' rendezvous only. The full parameters, the bytes this rank
-        received across regions, and the round the region starts from (0). A region that came
-        after round 0 closed keeps ``current``, starts from the newest closed round (as a region
-        that rejoins does) and takes the outer state in its first round (``fresh``)."""
-        if self.region == source and self.layout.k == 0:  # before its ready key: whoever sees it a member finds it
-            self.kv.set(self.kv.key("r", 0, 0, "momentum"), "1" if self.opt.momentum() is not None else "0")
-        d = self._decide(0, 0, (), lambda: self.membership.decide_first(source, join_timeout_s))
-        if source not in d.members:
-            raise OuterSyncError(
-                f"DiLoCo: outer round 0 closed without {source}, whose parameters every region starts from "
-                f"(it did not come within {join_timeout_s:g} s); start the job again"
-            )
-        if not d.member:
-            log.warning("DiLoCo: region %s came after outer round 0 closed; it takes the outer state in its first round", self.region)
-            self.fresh = True
-            last = last_round(self.kv) if self.layout.k == 0 else 0  # rounds may have closed since round 0
-            if self.layout.k == 0:
-                self.membership.roster.announce(self.region, last + 1)
-            self.opt.reset(self.own(current), None)
-            return current, 0, region_max(self.region_group, last)
-        own = self._pieces(self.own(current))
-        mom = self._momentum_of(source)
-        received = 0
-        if len(d.members) > 1:
-            ring = Ring(tuple((g, self.job[g]) for g in restrict(self.ring, d.members)), f"m{d.name}")
-            timeout = self.sync.round_timeout_s
-            args = (self.region, self.sync.streams, self.bind, timeout, self.cache)
-            groups = ShardGroups(self.store, self.kv.key("pg"), self.layout, ring, *args)
-            try:
-                make_groups(groups, self.layout.mine)
+        """Round 0: every region starts from ``source``'s parameters (``round0.first_round``)."""
+        return round0.first_round(self, source, current, join_timeout_s)
 
-                def pieces(s: int) -> list[torch.Tensor]:  # the parameters' chunks, then the momentum's
-                    return [t[a:b] for t in (own[s], *([mom[s]] if mom else [])) for a, b in groups.pieces(s)]
-
-                if self.region == source:
-                    for s in self.layout.mine:
-                        state_auth.publish(self.kv, self.kv.key("r", 0, 0, "state", s), pieces(s))
-                        if self.corrupt is not None:  # tests: a change made on the wire, after the digests
-                            self.corrupt(0, s, own[s])
-                works = []
-                for s in self.layout.mine:
-                    for i, t in enumerate(pieces(s)):
-                        opts = BroadcastOptions()
-                        opts.rootRank = ring.index(source)
-                        works.append(groups.group(s, i % len(groups.pieces(s))).broadcast([t], opts))
-                for w in works:
-                    w.wait()
-            except RuntimeError as e:  # a peer lost while round 0 travelled: the job starts again
-                if self.layout.k == 0:
-                    self.membership.mark_failed(0, 0)
-                raise OuterSyncError(f"DiLoCo: outer round 0 from {source} failed: {str(e).strip()[:160]}") from None
-            received = 0 if self.region == source else 4 * self.layout.own_numel * (2 if mom else 1)
-            if self.region != source:
-                sent_to_us = [(self.kv.key("r", 0, 0, "state", s), pieces(s)) for s in self.layout.mine]
-                why = state_auth.check_all(self.kv, sent_to_us, timeout)
-                if region_max(self.region_group, int(bool(why))):
-                    raise OuterSyncError(f"DiLoCo: outer round 0 from {source}: refused ({why or OTHER_REFUSED})")
-        bad = sum(int((~torch.isfinite(t)).sum()) for t in (*own.values(), *mom.values()))
-        if region_max(self.region_group, int(bad > 0)):
-            raise OuterSyncError(f"DiLoCo: outer round 0 from {source}: parameters that are NaN or infinite arrived; refused")
-        momentum = torch.cat([mom[s] for s in self.layout.mine]) if mom else None
-        self.opt.reset(torch.cat([own[s] for s in self.layout.mine]), momentum)
-        full, _ = gather_in_region(self.region_group, self.layout, self._pieces(self.opt.params))
-        return full, received, 0
-
-    def _momentum_of(self, source: str) -> dict[int, torch.Tensor]:
-        """Round 0: the source region's outer momentum shards, which it sends with its parameters (a
-        whole job resumed from checkpoints that hold it: resume.py), or {} (a fresh job: zero). The
-        source's leader says which under a signed key before round 0 closes; every rank of every
-        member region learns it (this rank's buffers to send or to receive into)."""
-        key = self.kv.key("r", 0, 0, "momentum")
-        held = self.opt.momentum()
-        has = 0
-        if self.layout.k == 0:
-            if self.region == source:
-                has = int(held is not None)
-            elif not self.kv.wait_all([key], self.sync.round_timeout_s) or (value := self.kv.open_many([key])[0]) not in (b"0", b"1"):
-                raise OuterSyncError(f"DiLoCo: outer round 0 from {source}: refused ({key} is missing, unsigned or not 0 or 1)")
-            else:
-                has = int(value == b"1")
-        if not region_max(self.region_group, has):
-            return {}
-        if self.region == source:
-            assert held is not None
-            return self._pieces(held)
-        return {s: torch.zeros(b - a) for s in self.layout.mine for a, b in [self.layout.span(s)]}
-
-    def _decide(self, r: int, attempt: int, previous: tuple[str, ...], first: Callable[[], Decision] | None = None) -> Decision:
+    def decide(self, r: int, attempt: int, previous: tuple[str, ...], first: Callable[[], Decision] | None = None) -> Decision:
         """The leader decides through the store (``first``: round 0's decision); every rank of the
         region gets the same decision."""
         self.phases.tick("other")
@@ -345,7 +254,7 @@ class P2PExchange:
         make_groups(groups, self.layout.mine)
         self.phases.tick("groups")
         values: dict[int, torch.Tensor] = {}
-        outer = self._pieces(self.opt.params)
+        outer = self.layout.by_shard(self.opt.params)
         for s in self.layout.mine:
             a, b = self.layout.span(s)
             values[s] = (outer[s] - current[a:b]).to(dtype)
