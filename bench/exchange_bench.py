@@ -52,6 +52,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from cpu_sampler import CpuSampler  # bench/, the script's own folder
+
 from geoshard.wan import Rehearsal, load_matrix, require_root
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,6 +91,7 @@ def run_config(wan: Rehearsal, engine: str, ppr: int, plan: list[list[Any]], arg
     common += ["--ppr", str(ppr), "--store-addr", wan.address(REGIONS[0]), "--store-port", str(base)]
     common += ["--lighthouse-port", str(base + 1), "--group-store-port", str(base + 2), "--manager-port", str(base + 3)]
     common += ["--plan", json.dumps(plan), "--timeout", str(args.timeout)]
+    common += [] if args.groups_baseline else ["--no-groups-baseline"]
     procs: list[subprocess.Popen] = []
     rows: list[dict] = []
     try:
@@ -103,18 +106,27 @@ def run_config(wan: Rehearsal, engine: str, ppr: int, plan: list[list[Any]], arg
         assert rank0.stdout is not None and rank0.stdin is not None
         before: dict = {}
         load = 0.0
+        roles = {"forwarder": [wan.forwarder_pid or 0]}
+        for rank, proc in enumerate(procs):
+            roles.setdefault(REGIONS[rank % n], []).append(proc.pid)  # ``ip netns exec`` execs: the worker's pid
+        sampler: CpuSampler | None = None
+        cpu: dict = {}
         while True:
             line = _readline(rank0.stdout, args.timeout)
             word = line.split(" ", 1)[0]
             if word == "BEGIN":
-                before = wan.counters()
+                before, dropped = wan.counters(), wan.dropped()
+                sampler = CpuSampler(roles)
+                sampler.start()
             elif word == "END":
                 after = wan.counters()
+                cpu = sampler.stop() if sampler is not None else {}
+                cpu["dropped"] = {f"{a}>{b}": d - dropped[(a, b)] for (a, b), d in wan.dropped().items()}
                 load = os.getloadavg()[0]
                 crossed = {f"{a}>{b}": after[(a, b)][0] - before[(a, b)][0] for (a, b) in after}
             elif word == "RESULT":
                 res = json.loads(line.split(" ", 1)[1])
-                rows.append(_row(res, crossed, load, ppr, wan, args))
+                rows.append({**_row(res, crossed, load, ppr, wan, args), "cpu": cpu})
                 _print_row(rows[-1])
                 continue
             elif word == "DONE":
@@ -176,6 +188,11 @@ def _print_row(r: dict) -> None:
     extra = "".join(f"\n    {r['variant']} in {region}: {ph}" for region, ph in r.get("phases_s", {}).items())
     if "groups_s" in r:
         extra += f"\n    {r['variant']} groups made: serially {r['groups_s']['serial']} s, at once {r['groups_s']['at_once']} s"
+    if r.get("cpu"):
+        c = r["cpu"]
+        cores = ", ".join(f"{k} {v}" for k, v in c["cores"].items())
+        extra += f"\n    cpu over {c['window_s']} s: cores busy {c['busy']:.0%}, saturated {c['saturated']:.0%} of it; cores used: {cores}"
+        extra += f"; packets dropped {sum(c['dropped'].values())}"
     fill = "-" if r["fill"] is None else f"{r['fill']:.0%}"
     print(
         f"{r['variant']:>10} ppr {r['ppr']} {r['mb']:>6.1f} MB: {r['median_s']:7.2f} s ({len(r['times_s'])} runs), bound "
@@ -245,6 +262,9 @@ def main() -> int:
     p.add_argument("--torchft-python", type=Path, default=ROOT / ".venv-torchft" / "bin" / "python")
     p.add_argument("--timeout", type=float, default=900.0, help="bound on every wait, seconds")
     p.add_argument("--small", action="store_true", help="smoke run: 0.5 and 2 MB, 2 repeats")
+    p.add_argument(
+        "--no-groups-baseline", dest="groups_baseline", action="store_false", help="trainer-K: skip making its groups one by one first"
+    )
     p.add_argument("--json-out", type=Path, default=ROOT / "bench" / "_data" / "exchange_bench.json")
     args = p.parse_args()
     if args.small:
