@@ -173,9 +173,11 @@ def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, 
     gather = Gather(layout, region, wave_count(layout)) if staged else None
     values = {s: t[slice(*layout.span(s))] for s in layout.mine}
 
+    contributed = {s: v.clone() for s, v in values.items()} if use_mac else {}  # the sum lands in place
+
     def publish() -> None:
-        for s, v in values.items():
-            projections = mac.project(signer, tag, s, v.clone(), keep=True)
+        for s, v in contributed.items():
+            projections = mac.project(signer, tag, s, v, keep=True)
             store.set(f"trainer/mac/{tag}/{s}/{ctx.region}", mac.encode_projections(projections))
 
     if use_mac and "prepub" in switches:
