@@ -206,8 +206,10 @@ def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, 
     with ThreadPoolExecutor(1) as pool:
         fetched = pool.submit(fetch) if use_mac else None
         for w, wave in enumerate(works):
-            _wait_all(wave)
+            done = _completion_times(wave)
             wire_end = time.perf_counter()
+            if w == 0:  # when the wave's first chunk landed: how far apart the streams end
+                phases.setdefault("chunk1", []).append(done[0] - t1)
             pipe.landed(w)
             landed += time.perf_counter() - wire_end
         t2 = time.perf_counter()
@@ -233,6 +235,19 @@ def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, 
         phases.setdefault(name, []).append(b - a)
     phases.setdefault("wire", []).append(wire_end - t1 - (landed - (t2 - wire_end)))
     phases.setdefault("landed", []).append(landed)
+
+
+def _completion_times(works: list[Any], poll_s: float = 0.005) -> list[float]:
+    """Wait for every work, polling: when each was done (perf_counter), sorted."""
+    pending, done = list(works), []
+    while pending:
+        for w in [w for w in pending if w.is_completed()]:
+            w.wait()  # raises if it failed
+            done.append(time.perf_counter())
+            pending.remove(w)
+        if pending:
+            time.sleep(poll_s)
+    return sorted(done)
 
 
 class _NoProjector:
