@@ -240,8 +240,9 @@ def _plans(args: argparse.Namespace, variants: list[str]) -> list[tuple[str, int
     out = []
     one = [v for v in variants if v == "ring" or v.startswith("streams-")]
     two = [v for v in variants if v.startswith("sharded-")]
-    trainer = [v for v in variants if v.startswith("trainer-")]  # 1 and 2 ranks per region
-    one, two = one + trainer, two + trainer
+    trainer = [v for v in variants if v.startswith("trainer-")]  # 1 and 2 ranks per region (``--trainer-ppr``)
+    ppr = {int(x) for x in getattr(args, "trainer_ppr", "1,2").split(",")}
+    one, two = one + [v for v in trainer if 1 in ppr], two + [v for v in trainer if 2 in ppr]
     if one:
         out.append(("gloo", 1, plan(one)))
     if two:
@@ -262,6 +263,7 @@ def main() -> int:
     p.add_argument("--torchft-python", type=Path, default=ROOT / ".venv-torchft" / "bin" / "python")
     p.add_argument("--timeout", type=float, default=900.0, help="bound on every wait, seconds")
     p.add_argument("--small", action="store_true", help="smoke run: 0.5 and 2 MB, 2 repeats")
+    p.add_argument("--trainer-ppr", default="1,2", help="ranks per region the trainer-K variants run with: 1, 2 or both")
     p.add_argument(
         "--no-groups-baseline", dest="groups_baseline", action="store_false", help="trainer-K: skip making its groups one by one first"
     )
