@@ -15,6 +15,11 @@ exchange, no warm-up), each timed from a barrier to the last rank's end, of:
   published in the store during the transfer and checked after it, then the in-region gather;
   each phase timed; its groups made once per size, first one after another (the baseline, as
   the trainer did before), then all at once (as it does), both timed;
+- ``trainer-K.nomac``, ``trainer-K.nostage``, ``trainer-K.prepub`` (switches, combinable: one
+  experiment each): ``trainer-K`` without the MAC, without the staged step, or with the MAC
+  publish before the transfer instead of during it; every ``trainer-K`` row splits ``transfer``
+  into ``wire`` (until the last chunk landed; ``chunk1``: the first) and ``landed`` (the pass on
+  what landed: MAC buckets, staged step, gather posting);
 - ``trainer-int8-K`` (``--ppr`` 1 and 2; not in the default set): the trainer's int8 path
   (trainer/diloco/quantized.py) on ``trainer-K``'s groups: the same values as fp16's B, encoded
   with error feedback, a reduce-scatter and an all-gather in int8 bytes (about B/2 a round), each
@@ -28,7 +33,10 @@ the slowest link's bandwidth and lat the longest one-way latency (n = 3 here: 4/
 100 Mbit/s + 4 x 110 ms). ``fill`` is the bound's bandwidth term over the time left after its
 latency term: the share of the slowest link the exchange used. Bytes on each directed link per
 exchange come from the forwarder's counters around the timed repeats, as a multiple of B. Every
-figure carries the 1-minute load average taken when it was measured.
+figure carries the 1-minute load average taken when it was measured, and the CPU used over the
+timed repeats (bench/cpu_sampler.py): by the forwarder, by each region's ranks, and the machine's
+cores (busy share, and the share of the window they were saturated), with the packets the links
+dropped.
 
     sudo .venv/bin/python bench/exchange_bench.py                # ~21 minutes on 2 busy cores
     sudo .venv/bin/python bench/exchange_bench.py --small        # smoke run, ~3 minutes
