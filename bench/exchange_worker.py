@@ -75,7 +75,7 @@ def _streams(variant: str) -> int:
     return int(variant.split(".", 1)[0].rsplit("-", 1)[1])
 
 
-TRAINER_SWITCHES = frozenset({"nomac", "nostage", "prepub"})
+TRAINER_SWITCHES = frozenset({"nomac", "nostage", "prepub", "whole"})
 
 
 def _switches(variant: str) -> frozenset[str]:
@@ -157,8 +157,11 @@ def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, 
     Switches (``trainer-K.nomac.nostage``, one experiment each): ``nomac`` leaves out the MAC
     (no publish, no projection of the sum, no check); ``nostage`` the staged step (the sum is
     gathered in the region as it is); ``prepub`` computes and sets the projections before the
-    transfer starts instead of while it runs. ``transfer`` is split into ``wire`` (until the last
-    wave's works are done) and ``landed`` (the waves' projection, step and gather posting)."""
+    transfer starts instead of while it runs; ``whole`` waits for a wave's every chunk before its
+    pass (otherwise each chunk's pass runs as it lands, as p2p.py does). Within ``transfer``:
+    ``chunk1`` and ``wire`` until the first and the last chunk was seen landed, ``tail`` the pass
+    left after the last, ``landed`` every pass on what landed (MAC buckets, staged step, gather
+    posting), under the wire or after it."""
     from geoshard.trainer.diloco import mac
     from geoshard.trainer.diloco.pipeline import Gather, Pipeline
     from geoshard.trainer.diloco.settings import OuterSync
@@ -203,15 +206,25 @@ def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, 
         return out
 
     landed = 0.0
+    in_order = "whole" not in switches and hasattr(pipe, "land")  # ``land``: trainer code from this change on
     with ThreadPoolExecutor(1) as pool:
         fetched = pool.submit(fetch) if use_mac else None
         for w, wave in enumerate(works):
-            done = _completion_times(wave)
-            wire_end = time.perf_counter()
+            if in_order:  # as p2p.py: each chunk's pass as it lands, while the later ones travel
+                done = []
+                for i, work in enumerate(wave):
+                    work.wait()
+                    done.append(time.perf_counter())
+                    pipe.land(w, i)
+                    landed += time.perf_counter() - done[-1]
+            else:  # the whole wave first, then its pass (as p2p.py did before chunks landed one by one)
+                done = _completion_times(wave)
+            wire_end = done[-1]
             if w == 0:  # when the wave's first chunk landed: how far apart the streams end
                 phases.setdefault("chunk1", []).append(done[0] - t1)
+            a = time.perf_counter()
             pipe.landed(w)
-            landed += time.perf_counter() - wire_end
+            landed += time.perf_counter() - a
         t2 = time.perf_counter()
         published = fetched.result() if fetched is not None else {}
     if use_mac:
@@ -233,8 +246,9 @@ def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, 
     spans_s = (("mac_publish", t0, t1), ("transfer", t1, t2), ("mac_check", t2, t3), ("gather", t3, t4), ("commit", t4, t5))
     for name, a, b in spans_s:
         phases.setdefault(name, []).append(b - a)
-    phases.setdefault("wire", []).append(wire_end - t1 - (landed - (t2 - wire_end)))
-    phases.setdefault("landed", []).append(landed)
+    phases.setdefault("wire", []).append(wire_end - t1)  # until the last chunk was seen landed
+    phases.setdefault("tail", []).append(t2 - wire_end)  # the pass left after it
+    phases.setdefault("landed", []).append(landed)  # every pass on what landed, under the wire or not
 
 
 def _completion_times(works: list[Any], poll_s: float = 0.005) -> list[float]:
