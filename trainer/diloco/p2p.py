@@ -371,13 +371,14 @@ class P2PExchange:
         self.phases.tick("mac_publish")
         stop = threading.Event()
         with ThreadPoolExecutor(1, thread_name_prefix="mac-fetch") as pool:
-            # the members' projections are read while the chunks travel; each wave is projected
+            # the members' projections are read while the chunks travel; each chunk is projected
             # (and stepped) here as it lands, while the later ones travel
             fetched = pool.submit(self._published, r, attempt, d, stop)
             try:
                 for w, wave in enumerate(works):
-                    for work in wave:
+                    for i, work in enumerate(wave):
                         work.wait()
+                        pipe.land(w, i)
                     pipe.landed(w)
             except BaseException:
                 stop.set()  # a failed exchange must not wait for a lost member's projections
