@@ -193,7 +193,8 @@ def _row(res: dict, crossed: dict[str, int], load: float, ppr: int, wan: Rehears
 
 
 def _print_row(r: dict) -> None:
-    extra = "".join(f"\n    {r['variant']} in {region}: {ph}" for region, ph in r.get("phases_s", {}).items())
+    shown = {region: {k: v for k, v in ph.items() if v == v} for region, ph in r.get("phases_s", {}).items()}  # no NaN: no warm-up
+    extra = "".join(f"\n    {r['variant']} in {region}: {ph}" for region, ph in shown.items())
     if "groups_s" in r:
         extra += f"\n    {r['variant']} groups made: serially {r['groups_s']['serial']} s, at once {r['groups_s']['at_once']} s"
     if r.get("cpu"):
