@@ -13,6 +13,7 @@ forwarder's counters around exactly the timed repeats:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -75,7 +76,7 @@ def _streams(variant: str) -> int:
     return int(variant.split(".", 1)[0].rsplit("-", 1)[1])
 
 
-TRAINER_SWITCHES = frozenset({"nomac", "nostage", "prepub", "whole"})
+TRAINER_SWITCHES = frozenset({"nomac", "nostage", "prepub", "whole", "threads"})
 
 
 def _switches(variant: str) -> frozenset[str]:
@@ -158,17 +159,21 @@ def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, 
     (no publish, no projection of the sum, no check); ``nostage`` the staged step (the sum is
     gathered in the region as it is); ``prepub`` computes and sets the projections before the
     transfer starts instead of while it runs; ``whole`` waits for a wave's every chunk before its
-    pass (otherwise each chunk's pass runs as it lands, as p2p.py does). Within ``transfer``:
+    pass (otherwise each chunk's pass runs as it lands, as p2p.py does); ``threads`` runs the
+    passes with torch's default intra-op threads instead of p2p.py's one (``pipeline.one_thread``). Within ``transfer``:
     ``chunk1`` and ``wire`` until the first and the last chunk was seen landed, ``tail`` the pass
     left after the last, ``landed`` every pass on what landed (MAC buckets, staged step, gather
     posting), under the wire or after it."""
-    from geoshard.trainer.diloco import mac
+    from geoshard.trainer.diloco import mac, pipeline
     from geoshard.trainer.diloco.pipeline import Gather, Pipeline
     from geoshard.trainer.diloco.settings import OuterSync
     from geoshard.trainer.diloco.sharded import gather_in_region, region_max, start_waves, wave_count
 
     store, layout, groups, region, signer, count = ctx.trainer
     switches = _switches(variant)
+    one_thread = getattr(pipeline, "one_thread", None)  # trainer code from this change on
+    if one_thread is not None:  # ``threads``: torch's default (one a core) for the passes, as before; else p2p.py's 1
+        pipeline.PASS_THREADS = torch.get_num_threads() if "threads" in switches else 1  # type: ignore[attr-defined]
     use_mac, staged = "nomac" not in switches, "nostage" not in switches
     count[0] += 1
     tag = f"{variant}/{t.numel()}/{count[0]}"
@@ -180,7 +185,8 @@ def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, 
 
     def publish() -> None:
         for s, v in contributed.items():
-            projections = mac.project(signer, tag, s, v, keep=True)
+            with one_thread() if one_thread is not None else contextlib.nullcontext():  # as p2p.py
+                projections = mac.project(signer, tag, s, v, keep=True)
             store.set(f"trainer/mac/{tag}/{s}/{ctx.region}", mac.encode_projections(projections))
 
     if use_mac and "prepub" in switches:

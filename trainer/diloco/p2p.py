@@ -33,7 +33,7 @@ from geoshard.trainer.diloco.groups import Bind, CountingStore, GroupCache, gloo
 from geoshard.trainer.diloco.kv import KV, OuterSyncError
 from geoshard.trainer.diloco.membership import MAX_ATTEMPTS, Decision, Membership, last_round
 from geoshard.trainer.diloco.optimizer import OuterOptimizer
-from geoshard.trainer.diloco.pipeline import Gather, Pipeline
+from geoshard.trainer.diloco.pipeline import Gather, Pipeline, one_thread
 from geoshard.trainer.diloco.quantized import Quantized, round_sum
 from geoshard.trainer.diloco.record import RoundRecord
 from geoshard.trainer.diloco.ring import restrict
@@ -395,7 +395,8 @@ class P2PExchange:
         """Each owned shard's signed MAC projections of what this rank contributes."""
         tag = f"{r}/{attempt}/{name}"
         for s, t in contributed.items():
-            projections = mac.project(self.kv.signer, tag, s, t, keep=True)  # its codes kept for the check
+            with one_thread():  # under the wire: not the core's every thread
+                projections = mac.project(self.kv.signer, tag, s, t, keep=True)  # its codes kept for the check
             self.kv.set(self.mac_key(r, attempt, name, s, self.region), mac.encode_projections(projections))
 
     def _hand_over(self, groups: ShardGroups, ring: Ring, d: Decision, key: str) -> int:

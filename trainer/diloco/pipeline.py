@@ -31,7 +31,8 @@ region's group out of step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -42,6 +43,24 @@ from geoshard.trainer.diloco.auth import Signer
 from geoshard.trainer.diloco.settings import OuterSync
 from geoshard.trainer.diloco.sharded import waves
 from geoshard.trainer.diloco.shards import Layout, owner
+
+PASS_THREADS = 1  # intra-op threads of the exchange's host passes (``one_thread``)
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """The exchange's host passes (MAC projections, staged step) with ``PASS_THREADS`` intra-op
+    threads, then the caller's count again. Each rank's default (one thread a core) put 3-6 ranks
+    x 2 spinning OpenMP threads on 2 shared cores: the same pass over 4.5e7 values in three
+    processes at once took 13-20 s each, with one thread 0.4-0.75 s (docs/benchmarks.md). The
+    passes run under the wire, chunk by chunk, so one thread a rank is enough on a big node too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(PASS_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
 
 BLOCK = 1 << 18  # values of a landed wave taken at a time (1 MB in fp32): what its pass reads stays in the cache
 
@@ -124,9 +143,10 @@ class Pipeline:
         (zeros), so their pages are mapped while the wire is busy, not by the passes after it (at
         1.8e8 values the first writes to these three buffers cost more than the step itself)."""
         self.gather, self._step = gather, (params, momentum, m, sync)
-        self.staged_p = torch.zeros_like(params)
-        self.staged_m = torch.zeros_like(params)
-        gather.full.zero_()
+        with one_thread():
+            self.staged_p = torch.zeros_like(params)
+            self.staged_m = torch.zeros_like(params)
+            gather.full.zero_()
 
     def land(self, w: int, i: int) -> None:
         """Part ``i`` of wave ``w`` summed (``spans[w][i]``, one chunk's work; parts in order): into
@@ -136,11 +156,12 @@ class Pipeline:
         assert (w, i) == (self.landed_waves, self._parts), ((w, i), (self.landed_waves, self._parts))
         s, a, b = self.spans[w][i]
         offset = self._offset[s]
-        for x in range(a, b, BLOCK):
-            y = min(b, x + BLOCK)
-            self.projectors[s].add(self.values[s][x:y])
-            if self.gather is not None:
-                self._stage_block(s, offset, x, y)
+        with one_thread():
+            for x in range(a, b, BLOCK):
+                y = min(b, x + BLOCK)
+                self.projectors[s].add(self.values[s][x:y])
+                if self.gather is not None:
+                    self._stage_block(s, offset, x, y)
         self._parts = i + 1
 
     def landed(self, w: int) -> None:
