@@ -15,6 +15,11 @@ exchange, no warm-up), each timed from a barrier to the last rank's end, of:
   published in the store during the transfer and checked after it, then the in-region gather;
   each phase timed; its groups made once per size, first one after another (the baseline, as
   the trainer did before), then all at once (as it does), both timed;
+- ``trainer-K.nomac``, ``trainer-K.nostage``, ``trainer-K.prepub`` (switches, combinable: one
+  experiment each): ``trainer-K`` without the MAC, without the staged step, or with the MAC
+  publish before the transfer instead of during it; every ``trainer-K`` row splits ``transfer``
+  into ``wire`` (until the last chunk landed; ``chunk1``: the first) and ``landed`` (the pass on
+  what landed: MAC buckets, staged step, gather posting);
 - ``trainer-int8-K`` (``--ppr`` 1 and 2; not in the default set): the trainer's int8 path
   (trainer/diloco/quantized.py) on ``trainer-K``'s groups: the same values as fp16's B, encoded
   with error feedback, a reduce-scatter and an all-gather in int8 bytes (about B/2 a round), each
@@ -28,7 +33,10 @@ the slowest link's bandwidth and lat the longest one-way latency (n = 3 here: 4/
 100 Mbit/s + 4 x 110 ms). ``fill`` is the bound's bandwidth term over the time left after its
 latency term: the share of the slowest link the exchange used. Bytes on each directed link per
 exchange come from the forwarder's counters around the timed repeats, as a multiple of B. Every
-figure carries the 1-minute load average taken when it was measured.
+figure carries the 1-minute load average taken when it was measured, and the CPU used over the
+timed repeats (bench/cpu_sampler.py): by the forwarder, by each region's ranks, and the machine's
+cores (busy share, and the share of the window they were saturated), with the packets the links
+dropped.
 
     sudo .venv/bin/python bench/exchange_bench.py                # ~21 minutes on 2 busy cores
     sudo .venv/bin/python bench/exchange_bench.py --small        # smoke run, ~3 minutes
@@ -51,6 +59,8 @@ import sys
 import time
 from pathlib import Path
 from typing import IO, Any
+
+from cpu_sampler import CpuSampler  # bench/, the script's own folder
 
 from geoshard.wan import Rehearsal, load_matrix, require_root
 
@@ -89,6 +99,7 @@ def run_config(wan: Rehearsal, engine: str, ppr: int, plan: list[list[Any]], arg
     common += ["--ppr", str(ppr), "--store-addr", wan.address(REGIONS[0]), "--store-port", str(base)]
     common += ["--lighthouse-port", str(base + 1), "--group-store-port", str(base + 2), "--manager-port", str(base + 3)]
     common += ["--plan", json.dumps(plan), "--timeout", str(args.timeout)]
+    common += [] if args.groups_baseline else ["--no-groups-baseline"]
     procs: list[subprocess.Popen] = []
     rows: list[dict] = []
     try:
@@ -103,18 +114,27 @@ def run_config(wan: Rehearsal, engine: str, ppr: int, plan: list[list[Any]], arg
         assert rank0.stdout is not None and rank0.stdin is not None
         before: dict = {}
         load = 0.0
+        roles = {"forwarder": [wan.forwarder_pid or 0]}
+        for rank, proc in enumerate(procs):
+            roles.setdefault(REGIONS[rank % n], []).append(proc.pid)  # ``ip netns exec`` execs: the worker's pid
+        sampler: CpuSampler | None = None
+        cpu: dict = {}
         while True:
             line = _readline(rank0.stdout, args.timeout)
             word = line.split(" ", 1)[0]
             if word == "BEGIN":
-                before = wan.counters()
+                before, dropped = wan.counters(), wan.dropped()
+                sampler = CpuSampler(roles)
+                sampler.start()
             elif word == "END":
                 after = wan.counters()
+                cpu = sampler.stop() if sampler is not None else {}
+                cpu["dropped"] = {f"{a}>{b}": d - dropped[(a, b)] for (a, b), d in wan.dropped().items()}
                 load = os.getloadavg()[0]
                 crossed = {f"{a}>{b}": after[(a, b)][0] - before[(a, b)][0] for (a, b) in after}
             elif word == "RESULT":
                 res = json.loads(line.split(" ", 1)[1])
-                rows.append(_row(res, crossed, load, ppr, wan, args))
+                rows.append({**_row(res, crossed, load, ppr, wan, args), "cpu": cpu})
                 _print_row(rows[-1])
                 continue
             elif word == "DONE":
@@ -173,9 +193,15 @@ def _row(res: dict, crossed: dict[str, int], load: float, ppr: int, wan: Rehears
 
 
 def _print_row(r: dict) -> None:
-    extra = "".join(f"\n    {r['variant']} in {region}: {ph}" for region, ph in r.get("phases_s", {}).items())
+    shown = {region: {k: v for k, v in ph.items() if v == v} for region, ph in r.get("phases_s", {}).items()}  # no NaN: no warm-up
+    extra = "".join(f"\n    {r['variant']} in {region}: {ph}" for region, ph in shown.items())
     if "groups_s" in r:
         extra += f"\n    {r['variant']} groups made: serially {r['groups_s']['serial']} s, at once {r['groups_s']['at_once']} s"
+    if r.get("cpu"):
+        c = r["cpu"]
+        cores = ", ".join(f"{k} {v}" for k, v in c["cores"].items())
+        extra += f"\n    cpu over {c['window_s']} s: cores busy {c['busy']:.0%}, saturated {c['saturated']:.0%} of it; cores used: {cores}"
+        extra += f"; packets dropped {sum(c['dropped'].values())}"
     fill = "-" if r["fill"] is None else f"{r['fill']:.0%}"
     print(
         f"{r['variant']:>10} ppr {r['ppr']} {r['mb']:>6.1f} MB: {r['median_s']:7.2f} s ({len(r['times_s'])} runs), bound "
@@ -223,8 +249,9 @@ def _plans(args: argparse.Namespace, variants: list[str]) -> list[tuple[str, int
     out = []
     one = [v for v in variants if v == "ring" or v.startswith("streams-")]
     two = [v for v in variants if v.startswith("sharded-")]
-    trainer = [v for v in variants if v.startswith("trainer-")]  # 1 and 2 ranks per region
-    one, two = one + trainer, two + trainer
+    trainer = [v for v in variants if v.startswith("trainer-")]  # 1 and 2 ranks per region (``--trainer-ppr``)
+    ppr = {int(x) for x in getattr(args, "trainer_ppr", "1,2").split(",")}
+    one, two = one + [v for v in trainer if 1 in ppr], two + [v for v in trainer if 2 in ppr]
     if one:
         out.append(("gloo", 1, plan(one)))
     if two:
@@ -245,6 +272,10 @@ def main() -> int:
     p.add_argument("--torchft-python", type=Path, default=ROOT / ".venv-torchft" / "bin" / "python")
     p.add_argument("--timeout", type=float, default=900.0, help="bound on every wait, seconds")
     p.add_argument("--small", action="store_true", help="smoke run: 0.5 and 2 MB, 2 repeats")
+    p.add_argument("--trainer-ppr", default="1,2", help="ranks per region the trainer-K variants run with: 1, 2 or both")
+    p.add_argument(
+        "--no-groups-baseline", dest="groups_baseline", action="store_false", help="trainer-K: skip making its groups one by one first"
+    )
     p.add_argument("--json-out", type=Path, default=ROOT / "bench" / "_data" / "exchange_bench.json")
     args = p.parse_args()
     if args.small:

@@ -13,6 +13,7 @@ forwarder's counters around exactly the timed repeats:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -72,7 +73,19 @@ def _groups(ctx: Ctx, variants: list[str]) -> None:
 
 
 def _streams(variant: str) -> int:
-    return int(variant.rsplit("-", 1)[1])
+    return int(variant.split(".", 1)[0].rsplit("-", 1)[1])
+
+
+TRAINER_SWITCHES = frozenset({"nomac", "nostage", "prepub", "whole", "threads"})
+
+
+def _switches(variant: str) -> frozenset[str]:
+    """``trainer-K.a.b``'s switches (``TRAINER_SWITCHES``): parts of the trainer's path left out or
+    moved, one at a time, to find what holds its transfer back (docs/benchmarks.md)."""
+    out = frozenset(variant.split(".")[1:])
+    if out - TRAINER_SWITCHES:
+        raise ValueError(f"unknown switches {sorted(out - TRAINER_SWITCHES)} in {variant!r} (known: {sorted(TRAINER_SWITCHES)})")
+    return out
 
 
 def _wait_all(works: list[Any]) -> None:
@@ -117,15 +130,16 @@ def trainer_setup(ctx: Ctx, variant: str, t: torch.Tensor) -> None:
     serial = ShardGroups(store, prefix + "/serial", layout, members, str(ctx.region), _streams(variant), bind, timeout, GroupCache())
     dist.barrier()
     t0 = time.perf_counter()
-    for s in layout.mine:
-        for c in range(len(serial.pieces(s))):
-            serial.group(s, c)
+    if ctx.args.groups_baseline:
+        for s in layout.mine:
+            for c in range(len(serial.pieces(s))):
+                serial.group(s, c)
     dist.barrier()
     t1 = time.perf_counter()
     groups = ShardGroups(store, prefix, layout, members, str(ctx.region), _streams(variant), bind, timeout, GroupCache())
     make_groups(groups, layout.mine)
     dist.barrier()
-    ctx.groups_s = {"groups_serial": t1 - t0, "groups": time.perf_counter() - t1}
+    ctx.groups_s = {"groups_serial": t1 - t0 if ctx.args.groups_baseline else float("nan"), "groups": time.perf_counter() - t1}
     del serial
     region = ctx.local[ctx.region] if ctx.ppr > 1 else None
     ctx.trainer = (store, layout, groups, region, Signer(b"exchange-bench-secret-0123456789abcdef"), [0])
@@ -139,26 +153,54 @@ def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, 
     its gather in the region posted as it lands, the sum checked against every region's, the
     region's agreement flag, the commit. The step is SGD with lr 1 and momentum without Nesterov on
     zero parameters and a zero buffer, so the committed parameters are exactly minus the sum (the
-    bench's check holds). Geoshard is imported here only, so the torchft venv never needs it."""
-    from geoshard.trainer.diloco import mac
+    bench's check holds). Geoshard is imported here only, so the torchft venv never needs it.
+
+    Switches (``trainer-K.nomac.nostage``, one experiment each): ``nomac`` leaves out the MAC
+    (no publish, no projection of the sum, no check); ``nostage`` the staged step (the sum is
+    gathered in the region as it is); ``prepub`` computes and sets the projections before the
+    transfer starts instead of while it runs; ``whole`` waits for a wave's every chunk before its
+    pass (otherwise each chunk's pass runs as it lands, as p2p.py does); ``threads`` runs the
+    passes with torch's default intra-op threads instead of p2p.py's one (``pipeline.one_thread``). Within ``transfer``:
+    ``chunk1`` and ``wire`` until the first and the last chunk was seen landed, ``tail`` the pass
+    left after the last, ``landed`` every pass on what landed (MAC buckets, staged step, gather
+    posting), under the wire or after it."""
+    from geoshard.trainer.diloco import mac, pipeline
     from geoshard.trainer.diloco.pipeline import Gather, Pipeline
     from geoshard.trainer.diloco.settings import OuterSync
-    from geoshard.trainer.diloco.sharded import region_max, start_waves, wave_count
+    from geoshard.trainer.diloco.sharded import gather_in_region, region_max, start_waves, wave_count
 
     store, layout, groups, region, signer, count = ctx.trainer
+    switches = _switches(variant)
+    one_thread = getattr(pipeline, "one_thread", None)  # trainer code from this change on
+    if one_thread is not None:  # ``threads``: torch's default (one a core) for the passes, as before; else p2p.py's 1
+        pipeline.PASS_THREADS = torch.get_num_threads() if "threads" in switches else 1  # type: ignore[attr-defined]
+    use_mac, staged = "nomac" not in switches, "nostage" not in switches
     count[0] += 1
     tag = f"{variant}/{t.numel()}/{count[0]}"
     t0 = time.perf_counter()
-    gather = Gather(layout, region, wave_count(layout))
+    gather = Gather(layout, region, wave_count(layout)) if staged else None
     values = {s: t[slice(*layout.span(s))] for s in layout.mine}
-    contributed = {s: v.clone() for s, v in values.items()}
+
+    contributed = {s: v.clone() for s, v in values.items()} if use_mac else {}  # the sum lands in place
+
+    def publish() -> None:
+        for s, v in contributed.items():
+            with one_thread() if one_thread is not None else contextlib.nullcontext():  # as p2p.py
+                projections = mac.project(signer, tag, s, v, keep=True)
+            store.set(f"trainer/mac/{tag}/{s}/{ctx.region}", mac.encode_projections(projections))
+
+    if use_mac and "prepub" in switches:
+        publish()
     works, spans, _ = start_waves(groups, values)
-    for s, v in contributed.items():
-        store.set(f"trainer/mac/{tag}/{s}/{ctx.region}", mac.encode_projections(mac.project(signer, tag, s, v, keep=True)))
+    if use_mac and "prepub" not in switches:
+        publish()
     pipe = Pipeline(layout, signer, tag, values, spans)
+    if not use_mac:
+        pipe.projectors = {s: _NoProjector() for s in values}  # type: ignore[misc]
     own = layout.own_numel
     sync = OuterSync(outer_lr=1.0, outer_momentum=0.5, nesterov=False)
-    pipe.stage(gather, torch.zeros(own), torch.zeros(own), 1, sync)
+    if gather is not None:
+        pipe.stage(gather, torch.zeros(own), torch.zeros(own), 1, sync)
     t1 = time.perf_counter()
 
     def fetch() -> dict[int, list[list[float]]]:  # as p2p.py: the projections read while the waves travel
@@ -169,26 +211,70 @@ def exchange_trainer(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, 
             out[s] = [mac.decode_projections(x) for x in store.multi_get(keys)]
         return out
 
+    landed = 0.0
+    in_order = "whole" not in switches and hasattr(pipe, "land")  # ``land``: trainer code from this change on
     with ThreadPoolExecutor(1) as pool:
-        fetched = pool.submit(fetch)
+        fetched = pool.submit(fetch) if use_mac else None
         for w, wave in enumerate(works):
-            _wait_all(wave)
+            if in_order:  # as p2p.py: each chunk's pass as it lands, while the later ones travel
+                done = []
+                for i, work in enumerate(wave):
+                    work.wait()
+                    done.append(time.perf_counter())
+                    pipe.land(w, i)
+                    landed += time.perf_counter() - done[-1]
+            else:  # the whole wave first, then its pass (as p2p.py did before chunks landed one by one)
+                done = _completion_times(wave)
+            wire_end = done[-1]
+            if w == 0:  # when the wave's first chunk landed: how far apart the streams end
+                phases.setdefault("chunk1", []).append(done[0] - t1)
+            a = time.perf_counter()
             pipe.landed(w)
+            landed += time.perf_counter() - a
         t2 = time.perf_counter()
-        published = fetched.result()
-    got = pipe.projections()
-    for s, v in values.items():
-        mac.check_projected(got[s], v, published[s], "fp16")
+        published = fetched.result() if fetched is not None else {}
+    if use_mac:
+        got = pipe.projections()
+        for s, v in values.items():
+            mac.check_projected(got[s], v, published[s], "fp16")
     t3 = time.perf_counter()
-    if not gather.finish(pipe.landed_waves):
-        raise RuntimeError("trainer: the staged gather failed")
+    if gather is not None:
+        if not gather.finish(pipe.landed_waves):
+            raise RuntimeError("trainer: the staged gather failed")
+        full = gather.full
+    else:
+        full, _ = gather_in_region(region, layout, {s: v.float() for s, v in values.items()})
     ok = region_max(region, 0) == 0  # the region's agreement flag
     t4 = time.perf_counter()
-    if ok:
-        t.copy_(gather.full.neg())  # the commit: the new parameters (minus the sum, see above)
+    if ok:  # the commit: the new parameters (minus the sum, see above), or the sum unstaged
+        t.copy_(full.neg() if gather is not None else full)
     t5 = time.perf_counter()
-    for name, a, b in (("mac_publish", t0, t1), ("transfer", t1, t2), ("mac_check", t2, t3), ("gather", t3, t4), ("commit", t4, t5)):
+    spans_s = (("mac_publish", t0, t1), ("transfer", t1, t2), ("mac_check", t2, t3), ("gather", t3, t4), ("commit", t4, t5))
+    for name, a, b in spans_s:
         phases.setdefault(name, []).append(b - a)
+    phases.setdefault("wire", []).append(wire_end - t1)  # until the last chunk was seen landed
+    phases.setdefault("tail", []).append(t2 - wire_end)  # the pass left after it
+    phases.setdefault("landed", []).append(landed)  # every pass on what landed, under the wire or not
+
+
+def _completion_times(works: list[Any], poll_s: float = 0.005) -> list[float]:
+    """Wait for every work, polling: when each was done (perf_counter), sorted."""
+    pending, done = list(works), []
+    while pending:
+        for w in [w for w in pending if w.is_completed()]:
+            w.wait()  # raises if it failed
+            done.append(time.perf_counter())
+            pending.remove(w)
+        if pending:
+            time.sleep(poll_s)
+    return sorted(done)
+
+
+class _NoProjector:
+    """``trainer-K.nomac``: a MAC bucket that takes the waves and does nothing."""
+
+    def add(self, x: torch.Tensor) -> None:
+        pass
 
 
 def exchange_quantized(ctx: Ctx, variant: str, t: torch.Tensor, phases: dict[str, list[float]]) -> None:
@@ -348,7 +434,8 @@ def measure(ctx: Ctx, variant: str, nbytes: int, warmup: int, repeats: int) -> d
     if variant.startswith("trainer-"):  # the slowest rank's, from barrier to barrier
         made = torch.tensor([ctx.groups_s["groups_serial"], ctx.groups_s["groups"]], dtype=torch.float64)
         dist.all_reduce(made, op=dist.ReduceOp.MAX)
-        out["groups_s"] = {"serial": round(float(made[0]), 3), "at_once": round(float(made[1]), 3)}
+        serial = float(made[0])
+        out["groups_s"] = {"serial": None if serial != serial else round(serial, 3), "at_once": round(float(made[1]), 3)}
     if phases:  # every rank's, by region (torchft: one rank per region); tensors, as torchft's venv has no numpy
         names = sorted(phases)
         mine = torch.tensor([first.get(k, float("nan")) for k in names] + [x for k in names for x in phases[k]], dtype=torch.float64)
@@ -379,6 +466,7 @@ def main() -> int:
     p.add_argument("--manager-port", type=int, default=0)
     p.add_argument("--plan", required=True, help="JSON list of [variant, bytes, warmup, repeats]")
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--no-groups-baseline", dest="groups_baseline", action="store_false", help="trainer-K: skip the serial groups")
     args = p.parse_args()
     ctx = Ctx(args)
     plan = json.loads(args.plan)

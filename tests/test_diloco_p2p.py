@@ -507,3 +507,46 @@ def test_the_pipelined_exchange_gathers_torch_sgds_step_and_changes_nothing_it_w
         for s, t in values.items():
             want = mac.project(signer, "t", s, t)
             assert all(abs(a - b) <= 1e-9 * want[-1] for a, b in zip(got[s], want, strict=True)), (name, s)
+
+
+def test_a_wave_landed_block_by_block_steps_and_projects_as_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank a region, two waves of a 25,001-value shard taken 1,000 values at a time (blocks
+    that do not divide the waves): the staged parameters and momentum are torch SGD's Nesterov step
+    on the mean, the gathered vector holds them, the projections are one ``mac.project`` of the
+    sum's, and the parameters and momentum handed in are untouched."""
+    import torch
+
+    from geoshard.trainer.diloco import mac, pipeline
+    from geoshard.trainer.diloco.auth import Signer
+    from geoshard.trainer.diloco.pipeline import Gather, Pipeline
+    from geoshard.trainer.diloco.settings import OuterSync
+    from geoshard.trainer.diloco.sharded import waves
+
+    monkeypatch.setattr(pipeline, "BLOCK", 1000)
+    numel, signer = 25_001, Signer(b"blocks-test-secret-0123456789abcdef")
+    sync = OuterSync(outer_lr=0.7, outer_momentum=0.9, nesterov=True)
+    g = torch.Generator().manual_seed(5)
+    summed = torch.randn(numel, generator=g).half()  # the sum as it lands (fp16)
+    params, momentum = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
+    before = (params.clone(), momentum.clone())
+    layout = Layout(numel, 1, 1, 0)
+    spans = [[(0, a, b)] for a, b in waves(numel, 2)]
+    gather = Gather(layout, None, 2)
+    pipe = Pipeline(layout, signer, "blocks", {0: summed}, spans)
+    pipe.stage(gather, params, momentum, 3, sync)
+    pipe.landed(0)
+    pipe.landed(1)
+    assert gather.finish(pipe.landed_waves)
+    ref = before[0].clone()
+    opt = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    opt.state[ref]["momentum_buffer"] = before[1].clone()
+    ref.grad = summed.float() / 3
+    opt.step()
+    assert pipe.staged_p is not None and pipe.staged_m is not None
+    assert torch.allclose(pipe.staged_p, ref, rtol=0, atol=1e-6)
+    assert torch.allclose(pipe.staged_m, opt.state[ref]["momentum_buffer"], rtol=0, atol=1e-6)
+    assert torch.equal(gather.full, pipe.staged_p)
+    assert torch.equal(params, before[0]) and torch.equal(momentum, before[1])
+    want = mac.project(signer, "blocks", 0, summed)
+    got = pipe.projections()[0]
+    assert all(abs(a - b) <= 1e-9 * want[-1] for a, b in zip(got, want, strict=True))

@@ -64,3 +64,25 @@ def test_a_trainer_row_carries_its_groups_times_into_the_table() -> None:
     assert row["median_s"] == pytest.approx(3.6) and row["max_link_B"] == pytest.approx(1.332)
     text = exchange_bench.table({"slowest": "x", "ceiling": {"packets_per_s": 1, "mb_per_s": 1.0}, "rows": [row]})
     assert "- trainer-8, 1 ranks/region: groups made serially 23.0 s, at once 3.2 s" in text.splitlines()
+
+
+def test_the_cpu_sampler_reports_each_roles_cores_and_the_share_of_the_window_the_cores_were_saturated() -> None:
+    """bench/cpu_sampler.py: from (time, machine ticks, role seconds) samples, the busy share over
+    the window, the share of intervals at or above 95% busy, and each role's seconds and cores."""
+    import os
+
+    import cpu_sampler
+
+    samples = [
+        (0.0, (0, 0), {"forwarder": 1.0, "us-east-1": 2.0}),
+        (1.0, (190, 200), {"forwarder": 1.1, "us-east-1": 2.5}),  # 95% busy: saturated
+        (2.0, (290, 400), {"forwarder": 1.2, "us-east-1": 3.0}),  # 50%
+    ]
+    got = cpu_sampler.summarize(samples)
+    assert got["window_s"] == 2.0 and got["busy"] == pytest.approx(0.725) and got["saturated"] == 0.5
+    assert got["cpu_s"] == {"forwarder": 0.2, "us-east-1": 1.0} and got["cores"] == {"forwarder": 0.1, "us-east-1": 0.5}
+    own = cpu_sampler.process_seconds(os.getpid())
+    assert own is not None and own > 0  # this test process has run
+    assert cpu_sampler.process_seconds(2**22 + 12345) is None  # no such process
+    busy, total = cpu_sampler.machine_ticks()
+    assert 0 < busy <= total

@@ -57,7 +57,7 @@ K = 15
 Z = 10.0
 CHUNK = 1 << 22  # values per piece (a multiple of 4: four 16-bit codes a word): memory stays bounded
 BLOCK = 1 << 19  # values cast to float64 at a time (4 MB: 1 << 17, 19 and 22 measured 0.092, 0.066, 0.073 s per 11M)
-KEEP_BYTES = 256 << 20  # codes kept between a shard's publish and its check, at most (2 bytes a value)
+KEEP_BYTES = 512 << 20  # codes kept between a shard's publish and its check, at most (2 bytes a value)
 _MASK = (1 << K) - 1
 
 

@@ -34,7 +34,7 @@ from geoshard.trainer.diloco.handover import hand_over
 from geoshard.trainer.diloco.kv import KV
 from geoshard.trainer.diloco.membership import MAX_ATTEMPTS, Decision, Membership
 from geoshard.trainer.diloco.optimizer import OuterOptimizer
-from geoshard.trainer.diloco.pipeline import Gather, Pipeline
+from geoshard.trainer.diloco.pipeline import Gather, Pipeline, one_thread
 from geoshard.trainer.diloco.quantized import Quantized, round_sum
 from geoshard.trainer.diloco.record import RoundRecord
 from geoshard.trainer.diloco.ring import restrict
@@ -276,13 +276,14 @@ class P2PExchange:
         self.phases.tick("mac_publish")
         stop = threading.Event()
         with ThreadPoolExecutor(1, thread_name_prefix="mac-fetch") as pool:
-            # the members' projections are read while the chunks travel; each wave is projected
+            # the members' projections are read while the chunks travel; each chunk is projected
             # (and stepped) here as it lands, while the later ones travel
             fetched = pool.submit(self._published, r, attempt, d, stop)
             try:
                 for w, wave in enumerate(works):
-                    for work in wave:
+                    for i, work in enumerate(wave):
                         work.wait()
+                        pipe.land(w, i)
                     pipe.landed(w)
             except BaseException:
                 stop.set()  # a failed exchange must not wait for a lost member's projections
@@ -299,7 +300,8 @@ class P2PExchange:
         """Each owned shard's signed MAC projections of what this rank contributes."""
         tag = f"{r}/{attempt}/{name}"
         for s, t in contributed.items():
-            projections = mac.project(self.kv.signer, tag, s, t, keep=True)  # its codes kept for the check
+            with one_thread():  # under the wire: not the core's every thread
+                projections = mac.project(self.kv.signer, tag, s, t, keep=True)  # its codes kept for the check
             self.kv.set(self.mac_key(r, attempt, name, s, self.region), mac.encode_projections(projections))
 
     def _hand_over(self, groups: ShardGroups, ring: Ring, d: Decision, key: str) -> int:

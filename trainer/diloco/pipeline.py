@@ -5,14 +5,22 @@ Each owned shard travels in up to ``sharded.WAVES`` waves, contiguous parts of t
 halve in size (1/2, 1/4, 1/8, 1/8 for 4), each wave cut over the streams' groups and queued
 behind the previous one on the same group (``sharded.start_waves``). ``WAVES`` is 1: more waves
 on the same groups slowed the transfer more than they hid (docs/benchmarks.md, exchange_bench).
-As a wave lands, on this thread:
+Inside a wave the streams' chunks land seconds apart (a quarter of the wire time between the
+first and the last at 360 MB), so each chunk is taken as it lands, in order (``land``), on this
+thread, a block of ``BLOCK`` values at a time:
 
 - its values are added into the shard's MAC buckets (``mac.Projector``; the projections are
-  linear), so after the transfer only the last waves' pass and K comparisons are left;
+  linear), so after the transfer only the last chunks' pass and K comparisons are left;
 - when staged (``Pipeline.stage``): the outer Nesterov step is taken on it into staging buffers (the outer
-  parameters and momentum are not touched), and the region's ranks start gathering its new
-  parameters (one broadcast per shard from its owner, on the region's group) while later waves
-  travel.
+  parameters and momentum are not touched); once the wave's last chunk is in (``landed``), the
+  region's ranks start gathering its new parameters (one broadcast per shard from its owner, on
+  the region's group) while later waves travel.
+
+This host pass, not the wire, was what the round lost to the bare streams: at 1.8e8 values a
+rank's step over whole tensors (fresh temporaries and staging, every page mapped on first write)
+took 5 s alone on a quiet core, 10-30 s on the busy shared ones, all of it after the wire.
+Blocks, staging written while the wire is busy (``stage``) and chunks taken as they land leave
+the last chunk's share (docs/benchmarks.md, exchange_bench).
 
 The round commits the staging only when the region's one agreement flag says every shard was
 sound (``p2p._member``): a refused or failed round leaves the outer parameters and momentum as
@@ -23,7 +31,8 @@ region's group out of step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -34,6 +43,26 @@ from geoshard.trainer.diloco.auth import Signer
 from geoshard.trainer.diloco.settings import OuterSync
 from geoshard.trainer.diloco.sharded import waves
 from geoshard.trainer.diloco.shards import Layout, owner
+
+PASS_THREADS = 1  # intra-op threads of the exchange's host passes (``one_thread``)
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """The exchange's host passes (MAC projections, staged step) with ``PASS_THREADS`` intra-op
+    threads, then the caller's count again. Each rank's default (one thread a core) put 3-6 ranks
+    x 2 spinning OpenMP threads on 2 shared cores: the same pass over 4.5e7 values in three
+    processes at once took 13-20 s each, with one thread 0.4-0.75 s (docs/benchmarks.md). The
+    passes run under the wire, chunk by chunk, so one thread a rank is enough on a big node too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(PASS_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+BLOCK = 1 << 18  # values of a landed wave taken at a time (1 MB in fp32): what its pass reads stays in the cache
 
 
 def outer_step(
@@ -102,33 +131,57 @@ class Pipeline:
         self.layout, self.values, self.spans = layout, values, spans
         self.projectors = {s: mac.Projector(signer, tag, s, t.numel(), t.device) for s, t in values.items()}
         self.landed_waves = 0
+        self._parts = 0  # parts of wave ``landed_waves`` landed so far
+        self._offset = dict(_offsets(layout))
         self.gather: Gather | None = None
         self.staged_p: torch.Tensor | None = None
         self.staged_m: torch.Tensor | None = None
 
     def stage(self, gather: Gather, params: torch.Tensor, momentum: torch.Tensor | None, m: int, sync: OuterSync) -> None:
-        """Speculate: each landed wave's outer step (mean: the sum over ``m``) into staging, then its gather."""
+        """Speculate: each landed wave's outer step (mean: the sum over ``m``) into staging, then its
+        gather. Called once the waves travel: the staging and the gather's buffer are written here
+        (zeros), so their pages are mapped while the wire is busy, not by the passes after it (at
+        1.8e8 values the first writes to these three buffers cost more than the step itself)."""
         self.gather, self._step = gather, (params, momentum, m, sync)
-        self.staged_p = torch.empty_like(params)
-        self.staged_m = torch.empty_like(params)
+        with one_thread():
+            self.staged_p = torch.zeros_like(params)
+            self.staged_m = torch.zeros_like(params)
+            gather.full.zero_()
+
+    def land(self, w: int, i: int) -> None:
+        """Part ``i`` of wave ``w`` summed (``spans[w][i]``, one chunk's work; parts in order): into
+        the MAC buckets and (staged) stepped, while the wave's later chunks still travel. One pass a
+        block of ``BLOCK`` values at a time: the buckets, the step and the copy into the gather
+        read each block while it is in the cache, not each the whole part from memory."""
+        assert (w, i) == (self.landed_waves, self._parts), ((w, i), (self.landed_waves, self._parts))
+        s, a, b = self.spans[w][i]
+        offset = self._offset[s]
+        with one_thread():
+            for x in range(a, b, BLOCK):
+                y = min(b, x + BLOCK)
+                self.projectors[s].add(self.values[s][x:y])
+                if self.gather is not None:
+                    self._stage_block(s, offset, x, y)
+        self._parts = i + 1
 
     def landed(self, w: int) -> None:
-        """Wave ``w`` summed: into the MAC buckets, and (staged) stepped and its gather posted."""
-        assert w == self.landed_waves, (w, self.landed_waves)
-        for s, a, b in self.spans[w]:
-            self.projectors[s].add(self.values[s][a:b])
+        """Wave ``w`` summed: its parts not landed yet (``land``), then its gather posted."""
+        for i in range(self._parts, len(self.spans[w])):
+            self.land(w, i)
         if self.gather is not None:
-            assert self.staged_p is not None and self.staged_m is not None
-            params, momentum, m, sync = self._step
-            offset = {s: i for s, i in _offsets(self.layout)}
-            for s, a, b in self.spans[w]:
-                i, start = offset[s], self.layout.span(s)[0]
-                g = self.values[s][a:b].float() / m
-                buf = None if momentum is None else momentum[i + a : i + b]
-                outer_step(params[i + a : i + b], buf, g, sync, self.staged_p[i + a : i + b], self.staged_m[i + a : i + b])
-                self.gather.full[start + a : start + b] = self.staged_p[i + a : i + b]
             self.gather.post(w)
-        self.landed_waves = w + 1
+        self.landed_waves, self._parts = w + 1, 0
+
+    def _stage_block(self, s: int, i: int, a: int, b: int) -> None:
+        """Values ``[a, b)`` of shard ``s`` (at ``i`` in the rank's own vector): stepped into staging and copied into the gather."""
+        assert self.gather is not None and self.staged_p is not None and self.staged_m is not None
+        params, momentum, m, sync = self._step
+        g = self.values[s][a:b].to(torch.float32, copy=True)  # a copy also when the sum is fp32 ("none")
+        g /= m  # the mean, as ``sum.float() / m``
+        buf = None if momentum is None else momentum[i + a : i + b]
+        outer_step(params[i + a : i + b], buf, g, sync, self.staged_p[i + a : i + b], self.staged_m[i + a : i + b])
+        start = self.layout.span(s)[0]
+        self.gather.full[start + a : start + b] = self.staged_p[i + a : i + b]
 
     def projections(self) -> dict[int, list[float]]:
         return {s: p.result() for s, p in self.projectors.items()}

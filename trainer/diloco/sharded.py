@@ -166,18 +166,18 @@ def start_waves(
     """``start_allreduce`` in waves: wave ``w`` of every owned shard (``waves``) cut over the
     streams' groups, queued behind wave ``w - 1`` on the same groups (gloo runs a group's
     collectives in order), so the waves land one after another. Per wave its works and its
-    (shard, start, stop) parts (relative to the shard), and the bytes this rank sent."""
+    (shard, start, stop) parts (relative to the shard), one per chunk in shard and chunk order
+    (``works[w][i]`` carries ``spans[w][i]``; one member: no works), and the bytes this rank sent."""
     m, n = len(groups.mship.members), wave_count(groups.layout, count, least)
     works: list[list[Any]] = [[] for _ in range(n)]
     spans: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
     sent = 0
     for w in range(n):
         for s in sorted(values):  # every rank queues its groups' collectives in the same order
-            part = waves(values[s].numel(), n)[w]
-            spans[w].append((s, *part))
-            if m == 1:
-                continue
-            for c, (a, b) in enumerate(chunks(*part, groups.streams)):
+            for c, (a, b) in enumerate(chunks(*waves(values[s].numel(), n)[w], groups.streams)):
+                spans[w].append((s, a, b))
+                if m == 1:
+                    continue
                 piece = values[s][a:b]
                 works[w].append(groups.group(s, c).allreduce([piece], AllreduceOptions()))
                 sent += 2 * (m - 1) * piece.numel() * piece.element_size() // m
