@@ -132,7 +132,7 @@ class Pipeline:
         self.projectors = {s: mac.Projector(signer, tag, s, t.numel(), t.device) for s, t in values.items()}
         self.landed_waves = 0
         self._parts = 0  # parts of wave ``landed_waves`` landed so far
-        self._offset = dict(_offsets(layout))
+        self._offset = layout.offsets()
         self.gather: Gather | None = None
         self.staged_p: torch.Tensor | None = None
         self.staged_m: torch.Tensor | None = None
@@ -185,13 +185,3 @@ class Pipeline:
 
     def projections(self) -> dict[int, list[float]]:
         return {s: p.result() for s, p in self.projectors.items()}
-
-
-def _offsets(layout: Layout) -> list[tuple[int, int]]:
-    """(shard, its offset in the rank's own vector) per owned shard."""
-    out, i = [], 0
-    for s in layout.mine:
-        a, b = layout.span(s)
-        out.append((s, i))
-        i += b - a
-    return out
