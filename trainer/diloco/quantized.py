@@ -36,6 +36,7 @@ from geoshard.trainer.diloco.auth import Refused
 from geoshard.trainer.diloco.codec import Codec, ErrorFeedback, NonFinite, unusable
 from geoshard.trainer.diloco.groups import LOOPBACK, Bind, GroupCache, gloo_group
 from geoshard.trainer.diloco.kv import KV
+from geoshard.trainer.diloco.pipeline import one_thread
 from geoshard.trainer.diloco.sharded import DEFAULT_STREAMS, ShardGroups, gather_in_region, make_groups
 from geoshard.trainer.diloco.sharded import Membership as Ring
 from geoshard.trainer.diloco.shards import Layout, shard_count
@@ -341,13 +342,14 @@ def round_sum(
     outer = ex.layout.by_shard(ex.opt.params)
     deltas = {s: outer[s] - current[slice(*ex.layout.span(s))] for s in ex.layout.mine}
     q.begin(r)
-    chunks, bad = q.prepare(groups, deltas, len(members), ex.region in d.fresh)
-    for why in bad:  # the others refuse it at once, as the store path's leaders do
-        log.warning("DiLoCo: region %s sends an unusable pseudo-gradient for round %d: %s", ex.region, r, why)
-    ex.phases.tick("encode")
-    corrupt = None if ex.corrupt is None else (lambda s, buf: ex.corrupt(r, s, buf))  # type: ignore[misc]
-    out, sent, why = q.exchange(w, chunks, corrupt)
-    ex.phases.tick("exchange")
+    with one_thread():  # the codec's passes, as the fp16 path's: default OpenMP threads a rank oversubscribe the cores
+        chunks, bad = q.prepare(groups, deltas, len(members), ex.region in d.fresh)
+        for why in bad:  # the others refuse it at once, as the store path's leaders do
+            log.warning("DiLoCo: region %s sends an unusable pseudo-gradient for round %d: %s", ex.region, r, why)
+        ex.phases.tick("encode")
+        corrupt = None if ex.corrupt is None else (lambda s, buf: ex.corrupt(r, s, buf))  # type: ignore[misc]
+        out, sent, why = q.exchange(w, chunks, corrupt)
+        ex.phases.tick("exchange")
     return sent, {s: torch.cat(out[s]) for s in ex.layout.mine}, why
 
 
