@@ -272,7 +272,7 @@ def main() -> int:
     p.add_argument("--torchft-python", type=Path, default=ROOT / ".venv-torchft" / "bin" / "python")
     p.add_argument("--timeout", type=float, default=900.0, help="bound on every wait, seconds")
     p.add_argument("--small", action="store_true", help="smoke run: 0.5 and 2 MB, 2 repeats")
-    p.add_argument("--trainer-ppr", default="1,2", help="ranks per region the trainer-K variants run with: 1, 2 or both")
+    p.add_argument("--trainer-ppr", default="1,2", help="ranks per region the trainer-K variants run with: 1, 2 or 1,2 (both)")
     p.add_argument(
         "--no-groups-baseline", dest="groups_baseline", action="store_false", help="trainer-K: skip making its groups one by one first"
     )
