@@ -43,6 +43,17 @@ dropped.
     sudo .venv/bin/python bench/exchange_bench.py --sizes 22 --variants ring,streams-4
     sudo .venv/bin/python bench/exchange_bench.py --sizes 22,91 --variants ring,trainer-8,trainer-int8-8
 
+``--idle S`` has every rank sleep S seconds before each exchange (warm-up and timed), as a DiLoCo
+round follows H inner steps: a TCP connection idle past its retransmission timeout restarts from
+its initial window (Linux's ``net.ipv4.tcp_slow_start_after_idle``, 1 by default). ``--mtu 1500``
+gives a real path's segments (the default 65,000 makes the initial window 10 x 64 KB, larger than
+a stream's share of these links' bandwidth-delay product, which hides the restart), ``--sysctl
+net.ipv4.tcp_slow_start_after_idle=0`` the tuned hosts' setting:
+
+    sudo .venv/bin/python bench/exchange_bench.py --sizes 22 --variants ring,trainer-8 --trainer-ppr 1 --mtu 1500 --idle 2
+    sudo .venv/bin/python bench/exchange_bench.py --sizes 22 --variants ring,trainer-8 --trainer-ppr 1 --mtu 1500 --idle 2 \\
+        --sysctl net.ipv4.tcp_slow_start_after_idle=0
+
 ``--transport geoshard`` runs the streams and sharded variants through the hook
 ``exchange_geoshard`` in bench/exchange_worker.py (the project's exchange, once wired).
 """
@@ -63,6 +74,7 @@ from typing import IO, Any
 from cpu_sampler import CpuSampler  # bench/, the script's own folder
 
 from geoshard.wan import Rehearsal, load_matrix, require_root
+from geoshard.wan.rehearsal import MTU
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "bench" / "exchange_worker.py"
@@ -98,7 +110,7 @@ def run_config(wan: Rehearsal, engine: str, ppr: int, plan: list[list[Any]], arg
     common = ["--engine", engine, "--transport", args.transport, "--world", str(n * ppr), "--regions", str(n)]
     common += ["--ppr", str(ppr), "--store-addr", wan.address(REGIONS[0]), "--store-port", str(base)]
     common += ["--lighthouse-port", str(base + 1), "--group-store-port", str(base + 2), "--manager-port", str(base + 3)]
-    common += ["--plan", json.dumps(plan), "--timeout", str(args.timeout)]
+    common += ["--plan", json.dumps(plan), "--timeout", str(args.timeout), "--idle", str(args.idle)]
     common += [] if args.groups_baseline else ["--no-groups-baseline"]
     procs: list[subprocess.Popen] = []
     rows: list[dict] = []
@@ -276,8 +288,16 @@ def main() -> int:
     p.add_argument(
         "--no-groups-baseline", dest="groups_baseline", action="store_false", help="trainer-K: skip making its groups one by one first"
     )
+    p.add_argument("--mtu", type=int, default=MTU, help="the regions' interfaces' MTU (1500: a real path's segments and windows)")
+    p.add_argument(
+        "--sysctl", action="append", default=[], metavar="KEY=VALUE", help="a net.* setting in every region's namespace (repeatable)"
+    )
+    p.add_argument("--idle", type=float, default=0.0, help="seconds every rank sleeps before each exchange (a DiLoCo round's H steps)")
     p.add_argument("--json-out", type=Path, default=ROOT / "bench" / "_data" / "exchange_bench.json")
     args = p.parse_args()
+    sysctls = dict(kv.split("=", 1) for kv in args.sysctl if "=" in kv)
+    if len(sysctls) != len(args.sysctl):
+        p.error("--sysctl takes KEY=VALUE")
     if args.small:
         args.sizes, args.repeats = "0.5,2", 2
     variants = args.variants.split(",")
@@ -290,7 +310,7 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     res: dict[str, Any] = {"bound": BOUND, "config": {k: str(v) for k, v in vars(args).items() if k != "matrix_obj"}, "rows": []}
-    with Rehearsal(args.matrix_obj, regions=REGIONS) as wan:
+    with Rehearsal(args.matrix_obj, regions=REGIONS, mtu=args.mtu, sysctls=sysctls) as wan:
         res["ceiling"] = {"packets_per_s": round(wan.ceiling.packets_per_s), "mb_per_s": round(wan.ceiling.mb_per_s, 1)}
         slow = min(args.matrix_obj.links, key=lambda link: (link.bandwidth_mbit, -link.latency_ms))
         res["slowest"] = f"{slow.a}<->{slow.b}, {slow.bandwidth_mbit:g} Mbit/s, {slow.latency_ms:g} ms one way"

@@ -411,6 +411,7 @@ def measure(ctx: Ctx, variant: str, nbytes: int, warmup: int, repeats: int) -> d
     participates = (variant != "ring" and not variant.startswith("streams-")) or ctx.k == 0
     for _ in range(warmup):
         t.fill_(ctx.region + 1)
+        time.sleep(ctx.args.idle)  # the exchange's own connections idle (the barrier's are the default group's)
         dist.barrier()
         run()
     if warmup and participates and not bool((t == expect).all()):
@@ -421,6 +422,7 @@ def measure(ctx: Ctx, variant: str, nbytes: int, warmup: int, repeats: int) -> d
     _handshake(ctx, f"BEGIN {variant} {numel * 2}")
     for _ in range(repeats):
         t.fill_(ctx.region + 1)
+        time.sleep(ctx.args.idle)
         dist.barrier()
         t0 = time.perf_counter()
         run()
@@ -466,6 +468,7 @@ def main() -> int:
     p.add_argument("--manager-port", type=int, default=0)
     p.add_argument("--plan", required=True, help="JSON list of [variant, bytes, warmup, repeats]")
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--idle", type=float, default=0.0, help="seconds to sleep before each exchange")
     p.add_argument("--no-groups-baseline", dest="groups_baseline", action="store_false", help="trainer-K: skip the serial groups")
     args = p.parse_args()
     ctx = Ctx(args)

@@ -612,3 +612,63 @@ def test_cli_wan_check_prints_ceiling_and_rtt_per_pair(tmp_path: Path) -> None:
     assert lines[6].startswith("delayed packets left ") and " ms late on average (max " in lines[6]
     assert lines[7] == "removed its 3 namespaces and their TUN devices"
     assert not [n for n in wan_netns.list_namespaces() if not alive(wan_netns.owner_of(n) or 0)]  # the command's own are gone
+
+
+def test_rehearsal_refuses_a_setting_outside_net_and_a_bad_mtu() -> None:
+    """Checked before any namespace exists: one line naming the key or the value."""
+    m = parse_matrix(matrix_text(5.0, regions=(US, EU)), source="m.toml")
+    with pytest.raises(WanError, match=r"sysctl 'kernel.panic': only net.core.\* and net.ipv4.\*"):
+        Rehearsal(m, sysctls={"kernel.panic": "1"})
+    with pytest.raises(WanError, match=r"sysctl net.ipv4.tcp_mtu_probing: value '1; reboot'"):
+        Rehearsal(m, sysctls={"net.ipv4.tcp_mtu_probing": "1; reboot"})
+    with pytest.raises(WanError, match="mtu must be 576-65000, got 70000"):
+        Rehearsal(m, mtu=70000)
+
+
+@needs_root
+def test_rehearsal_sets_mtu_and_tcp_settings_in_each_namespace_only() -> None:
+    """A region's namespace takes the given MTU and net.* settings (its hosts' tuning); the host keeps its own."""
+    key, cc = "net.ipv4.tcp_slow_start_after_idle", "net.ipv4.tcp_congestion_control"
+    host = {k: wan_netns.sysctl_path(k).read_text().strip() for k in (key, cc)}
+    want = {key: "0" if host[key] == "1" else "1", cc: "reno" if host[cc] != "reno" else "bbr"}  # both always allowed here
+    m = parse_matrix(matrix_text(5.0, regions=(US, EU)), source="m.toml")
+    with Rehearsal(m, measure_ceiling=False, mtu=1500, sysctls=want) as wan:
+        for r in (US, EU):
+            ns = wan.netns(r)
+            got = subprocess.run(
+                [wan_netns.ip_binary(), "netns", "exec", ns, "cat", str(wan_netns.sysctl_path(key)), str(wan_netns.sysctl_path(cc))],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=10,
+            ).stdout.split()
+            assert got == [want[key], want[cc]]
+            assert " mtu 1500 " in wan_netns.run_ip("-n", ns, "link", "show", "wan0")
+        # A TCP transfer crosses at the small MTU: 1 MB from eu-west-1 to a listener in us-east-1.
+        with wan_netns.inside(wan.netns(US)):
+            listener = socket.create_server((wan.address(US), 0))
+        port = listener.getsockname()[1]
+        sender = subprocess.Popen(
+            wan.exec_argv(EU, [sys.executable, "-c", SEND_1MB, wan.address(US), str(port)]), stderr=subprocess.PIPE, text=True
+        )
+        listener.settimeout(30)
+        conn, _ = listener.accept()
+        conn.settimeout(30)
+        got_bytes = 0
+        while chunk := conn.recv(1 << 16):
+            got_bytes += len(chunk)
+        conn.close()
+        listener.close()
+        _, err = sender.communicate(timeout=30)
+        assert sender.returncode == 0, err
+        assert got_bytes == 1 << 20
+        _, packets = wan.counters()[(EU, US)]
+        assert packets > (1 << 20) / 1500  # segments of at most the MTU
+    assert {k: wan_netns.sysctl_path(k).read_text().strip() for k in (key, cc)} == host
+
+
+SEND_1MB = """
+import socket, sys
+with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30) as s:
+    s.sendall(bytes(1 << 20))
+"""

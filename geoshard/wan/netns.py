@@ -208,6 +208,45 @@ def configure_region(ns: str, tun: str, ifname: str, address: str, peers: list[s
         run_ip("-n", ns, "route", "add", f"{peer}/32", "dev", ifname, "src", address)
 
 
+_SYSCTL_KEY = re.compile(r"^net\.(core|ipv4)\.[a-z0-9_]+$")
+_SYSCTL_VALUE = re.compile(r"^[A-Za-z0-9_.-]+( [A-Za-z0-9_.-]+)*$")
+
+
+def check_sysctl(key: str, value: str) -> None:
+    """A network setting a namespace may take: ``net.core.*`` or ``net.ipv4.*``, a plain value."""
+    if not _SYSCTL_KEY.match(key):
+        raise WanError(f"sysctl {key!r}: only net.core.* and net.ipv4.* settings apply to a region's namespace")
+    if not _SYSCTL_VALUE.match(value):
+        raise WanError(f"sysctl {key}: value {value!r} is not a plain number or word")
+
+
+def sysctl_path(key: str) -> Path:
+    return Path("/proc/sys", *key.split("."))
+
+
+def set_sysctl(ns: str, key: str, value: str) -> None:
+    """Write ``key`` in namespace ``ns``: /proc/sys/net shows the namespace of the thread that opens it."""
+    check_sysctl(key, value)
+    with inside(ns):
+        try:
+            sysctl_path(key).write_text(value + "\n")
+        except OSError as e:
+            why = e.strerror or str(e)
+            if key == "net.ipv4.tcp_congestion_control":  # the kernel lets a namespace default only to an allowed one
+                allowed = sysctl_path("net.ipv4.tcp_allowed_congestion_control").read_text().strip()
+                why += f" (a namespace's default must be one the host allows, net.ipv4.tcp_allowed_congestion_control: {allowed})"
+            raise WanError(f"sysctl {key}={value} in {ns}: {why}") from e
+
+
+def get_sysctl(ns: str, key: str) -> str:
+    check_sysctl(key, "0")
+    with inside(ns):
+        try:
+            return sysctl_path(key).read_text().strip()
+        except OSError as e:
+            raise WanError(f"sysctl {key} in {ns}: {e.strerror or e}") from e
+
+
 @functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)

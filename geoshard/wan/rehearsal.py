@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import IO, Any
@@ -81,11 +81,30 @@ def _has_caps(*bits: int) -> bool:
 
 class Rehearsal:
     def __init__(
-        self, matrix: WanMatrix, regions: Iterable[str] | None = None, *, measure_ceiling: bool = True, realtime: bool = True
+        self,
+        matrix: WanMatrix,
+        regions: Iterable[str] | None = None,
+        *,
+        measure_ceiling: bool = True,
+        realtime: bool = True,
+        mtu: int = MTU,
+        sysctls: Mapping[str, str] | None = None,
     ) -> None:
-        """``realtime``: run the forwarder at SCHED_FIFO priority 1, which keeps its timer accurate on a busy machine."""
+        """``realtime``: run the forwarder at SCHED_FIFO priority 1, which keeps its timer accurate on a busy machine.
+
+        ``mtu``: the regions' interfaces' (the default's 64 KB packets keep the forwarder's packet
+        rate low; 1,500 gives a real path's segments, and TCP's initial and restart windows with
+        them). ``sysctls``: ``net.*`` settings made in every region's namespace, as a region's hosts
+        would have them (a new namespace has the kernel's defaults, not the host's), e.g.
+        ``{"net.ipv4.tcp_slow_start_after_idle": "0"}``."""
         self.matrix = matrix
         self._realtime = realtime
+        if not 576 <= mtu <= MTU:
+            raise WanError(f"rehearsal mtu must be 576-{MTU}, got {mtu}")
+        self.mtu = mtu
+        self.sysctls = dict(sysctls or {})
+        for key, value in self.sysctls.items():
+            netns.check_sysctl(key, value)
         self.regions: tuple[str, ...] = matrix.check_regions(matrix.regions if regions is None else regions)
         if len(self.regions) > MAX_REGIONS:
             raise WanError(f"a rehearsal holds at most {MAX_REGIONS} regions, got {len(self.regions)}")
@@ -204,7 +223,9 @@ class Rehearsal:
                     fd, tun = netns.open_tun()
                     fds.append(fd)
                     peers = [self._addresses[p] for p in self.regions if p != r]
-                    netns.configure_region(ns, tun, IFNAME, self._addresses[r], peers, MTU)
+                    netns.configure_region(ns, tun, IFNAME, self._addresses[r], peers, self.mtu)
+                    for key, value in self.sysctls.items():
+                        netns.set_sysctl(ns, key, value)
                 self._start_forwarder(fds)
             finally:
                 for fd in fds:
@@ -281,7 +302,7 @@ class Rehearsal:
                         "latency_s": link.latency_ms / 1000,
                         "rate": rate,
                         # Two full packets of burst: a token bucket shallower than one packet would stall.
-                        "burst": 0 if rate is None else 2 * MTU,
+                        "burst": 0 if rate is None else 2 * self.mtu,
                         "queue_s": link.queue_ms / 1000,
                     }
                 )
@@ -353,7 +374,7 @@ class Rehearsal:
             nbytes, packets, _ = self._pairs(since_start=False)[(a, b)]
             return nbytes, packets
 
-        return ceiling.measure((self._names[a], self._addresses[a]), (self._names[b], self._addresses[b]), MTU, delivered)
+        return ceiling.measure((self._names[a], self._addresses[a]), (self._names[b], self._addresses[b]), self.mtu, delivered)
 
     def _catch_sigterm(self) -> None:
         # SIGTERM's default kills us without unwinding; as SystemExit it runs stop(). Only when nobody else handles it.
