@@ -281,7 +281,8 @@ def test_loader_first_batch_wait_and_bytes_by_hand() -> None:
 def test_ranks_starting_together_beyond_the_hosts_cores_slow_the_first_batch() -> None:
     # 2 cores, 0.3 s per rank beyond them: a flat world of 2 + 1 + 1 ranks starts 4 loaders at
     # once (2 beyond the cores); DiLoCo's regions start apart, 2 at most (none beyond)
-    k = Constants(startup_s=0.5, startup_crowd_s=0.3, host_cores=2, request_s=0.0, tier_mb_s=(("local", 1e9), ("s3", 1e9), ("alluxio", 1e9)))
+    fast = (("local", 1e9), ("s3", 1e9), ("alluxio", 1e9))
+    k = Constants(startup_s=0.5, startup_crowd_s=0.3, host_cores=2, request_s=0.0, tier_mb_s=fast)
     regions = (RegionSpec(US, 2), RegionSpec(EU, 1), RegionSpec(AP, 1))
     flat = three(sync="flat", regions=regions, constants=k)
     diloco = three(sync="diloco", regions=regions, constants=k)
