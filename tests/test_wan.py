@@ -28,6 +28,7 @@ from geoshard.wan import Rehearsal, load_matrix, parse_matrix, require_root, wri
 from geoshard.wan import netns as wan_netns
 from geoshard.wan.errors import NeedsRootError, WanError
 from geoshard.wan.matrix import Link, matrix_from_rtts
+from geoshard.wan.rehearsal import paced_default
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from netproxy import NetProxy
@@ -623,6 +624,22 @@ def test_rehearsal_refuses_a_setting_outside_net_and_a_bad_mtu() -> None:
         Rehearsal(m, sysctls={"net.ipv4.tcp_mtu_probing": "1; reboot"})
     with pytest.raises(WanError, match="mtu must be 576-65000, got 70000"):
         Rehearsal(m, mtu=70000)
+
+
+@needs_root
+def test_the_rehearsals_namespaces_pace_with_bbr_where_the_host_allows_it(tmp_path: Path) -> None:
+    allowed = tmp_path / "allowed"
+    allowed.write_text("reno bbr cubic\n")
+    assert paced_default(allowed) == {"net.ipv4.tcp_congestion_control": "bbr"}
+    allowed.write_text("reno cubic\n")
+    assert paced_default(allowed) == {}
+    assert paced_default(tmp_path / "absent") == {}
+    # the real namespaces: bbr unless the host does not allow it, whatever the host's own default
+    cc = "net.ipv4.tcp_congestion_control"
+    want = "bbr" if paced_default() else wan_netns.sysctl_path(cc).read_text().strip()
+    with Rehearsal(parse_matrix(matrix_text(5.0, regions=(US, EU)), source="m.toml"), measure_ceiling=False) as wan:
+        for r in (US, EU):
+            assert wan_netns.get_sysctl(wan.netns(r), cc) == want
 
 
 @needs_root

@@ -29,6 +29,7 @@ import sys
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, Any
 
@@ -79,6 +80,21 @@ def _has_caps(*bits: int) -> bool:
     return all(eff >> b & 1 for b in bits)
 
 
+ALLOWED_CC = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+
+
+def paced_default(allowed: Path = ALLOWED_CC) -> dict[str, str]:
+    """BBR in every region's namespace when the host allows a namespace to choose it: the
+    benchmarks' figures were measured with it, and docs/diloco.md advises it for hosts that
+    exchange across regions (cubic measured about 1.3x slower over these links' buffers). A
+    host that does not allow it keeps the kernel's default, and the trainer says which it is."""
+    try:
+        names = allowed.read_text(encoding="ascii", errors="replace").split()
+    except OSError:
+        return {}
+    return {"net.ipv4.tcp_congestion_control": "bbr"} if "bbr" in names else {}
+
+
 class Rehearsal:
     def __init__(
         self,
@@ -96,13 +112,14 @@ class Rehearsal:
         rate low; 1,500 gives a real path's segments, and TCP's initial and restart windows with
         them). ``sysctls``: ``net.*`` settings made in every region's namespace, as a region's hosts
         would have them (a new namespace has the kernel's defaults, not the host's), e.g.
-        ``{"net.ipv4.tcp_slow_start_after_idle": "0"}``."""
+        ``{"net.ipv4.tcp_slow_start_after_idle": "0"}``. Unless they name it, the namespaces use
+        BBR where the host allows it (``paced_default``), whatever the host's own default."""
         self.matrix = matrix
         self._realtime = realtime
         if not 576 <= mtu <= MTU:
             raise WanError(f"rehearsal mtu must be 576-{MTU}, got {mtu}")
         self.mtu = mtu
-        self.sysctls = dict(sysctls or {})
+        self.sysctls = {**paced_default(), **dict(sysctls or {})}
         for key, value in self.sysctls.items():
             netns.check_sysctl(key, value)
         self.regions: tuple[str, ...] = matrix.check_regions(matrix.regions if regions is None else regions)

@@ -30,6 +30,7 @@ from geoshard.trainer.diloco.p2p import Corrupt, P2PExchange
 from geoshard.trainer.diloco.record import JoinRecord, RoundRecord
 from geoshard.trainer.diloco.resume import checked_momentum, gathered
 from geoshard.trainer.diloco.settings import OuterSync
+from geoshard.trainer.diloco.tcp import congestion_advice
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +198,8 @@ class DiLoCo:
             if self.group is not None:
                 dist.broadcast(mom, group=self.group, group_src=0)
         rank = 0 if self.group is None else dist.get_rank(self.group)
+        if self.is_leader and (advice := congestion_advice()) is not None:
+            log.warning("DiLoCo: region %s: %s", self.region, advice)
         kv = KV(store, self.prefix, self._signer)
         opt = OuterOptimizer(self.sync, self._opt.bounds)
         job = tuple(zip(self.regions, ranks, strict=True))
