@@ -331,21 +331,12 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
         k = replace(k, cpu_gflops=round(1 / slope / 1e9, 3), step_overhead_s=round(max(intercept, 0.0), 5))
     else:  # it does not (a loaded machine: the compute is waiting for a core): the median overhead alone
         k = replace(k, cpu_gflops=1e6, step_overhead_s=round(max(0.0, statistics.median(ys)), 5))
-    # The loader's start-up: what the first batch takes beyond the manifest and the first shard,
-    # from the runs whose ranks start no more loaders at once than the host has cores; then what
-    # each one beyond them adds, from the others (flat and hierarchical worlds of 3-4 ranks).
-    from geoshard.sim.loader import starting_together
-
-    alone, crowded = [], []
+    # The loader's start-up: what the first batch takes beyond the manifest and the first shard.
+    rest = []
     for row in rows:
-        cfg = at(row, replace(k, startup_s=0.0, startup_crowd_s=0.0))
-        p = predict(cfg)
-        rest = (row["measured"]["time_to_first_batch_s"] - p.time_to_first_batch_s) / slowdown(row)
-        extra = max(starting_together(cfg, r) for r in cfg.regions) - k.host_cores
-        (crowded if k.host_cores and extra > 0 else alone).append((rest, extra))
-    k = replace(k, startup_s=round(max(0.0, statistics.median(r for r, _ in alone or crowded)), 4))
-    if crowded and alone:
-        k = replace(k, startup_crowd_s=round(max(0.0, statistics.median((r - k.startup_s) / n for r, n in crowded)), 4))
+        p = predict(at(row, replace(k, startup_s=0.0)))
+        rest.append((row["measured"]["time_to_first_batch_s"] - p.time_to_first_batch_s) / slowdown(row))
+    k = replace(k, startup_s=round(max(0.0, statistics.median(rest)), 4))
     # The hand-off of a batch from a worker when the workers keep up: the IO wait after the first batch.
     m = [r["measured"] for r in rows]
     waits = [x["io_wait_share_after_first_batch"] * x["step_s"] / r["spec"]["accum"] / slowdown(r) for x, r in zip(m, rows, strict=True)]

@@ -278,27 +278,6 @@ def test_loader_first_batch_wait_and_bytes_by_hand() -> None:
     assert slow.io_wait_s_per_step == pytest.approx(10_000 / (2e6 / 0.11) - 0.0005)
 
 
-def test_ranks_starting_together_beyond_the_hosts_cores_slow_the_first_batch() -> None:
-    # 2 cores, 0.3 s per rank beyond them: a flat world of 2 + 1 + 1 ranks starts 4 loaders at
-    # once (2 beyond the cores); DiLoCo's regions start apart, 2 at most (none beyond)
-    fast = (("local", 1e9), ("s3", 1e9), ("alluxio", 1e9))
-    k = Constants(startup_s=0.5, startup_crowd_s=0.3, host_cores=2, request_s=0.0, tier_mb_s=fast)
-    regions = (RegionSpec(US, 2), RegionSpec(EU, 1), RegionSpec(AP, 1))
-    flat = three(sync="flat", regions=regions, constants=k)
-    diloco = three(sync="diloco", regions=regions, constants=k)
-    assert [loader.starting_together(flat, r) for r in regions] == [4, 4, 4]
-    assert [loader.starting_together(diloco, r) for r in regions] == [2, 1, 1]
-    assert loader.startup_s(flat, regions[1]) == pytest.approx(0.5 + 2 * 0.3)
-    assert loader.startup_s(diloco, regions[0]) == pytest.approx(0.5)
-    assert loader.region_loader(flat, regions[1], 1.0).time_to_first_batch_s == pytest.approx(1.1, abs=1e-3)
-    # host_cores 0 (nodes of their own, the WAN constants): no crowding at any size
-    spread = three(sync="flat", regions=regions, constants=dataclasses.replace(k, host_cores=0))
-    assert loader.startup_s(spread, regions[0]) == 0.5
-    # a host cost: it scales with the host's slowdown like startup_s
-    slow = dataclasses.replace(k, host_slowdown=2.0).on_host()
-    assert (slow.startup_s, slow.startup_crowd_s) == pytest.approx((1.0, 0.6))
-
-
 def test_a_link_to_another_regions_bucket_is_shared_by_the_regions_workers() -> None:
     # 10 Mbit/s (1.25 MB/s) to eu-west-1's bucket, a warm-flow ramp of nothing (huge mss): two ranks
     # of two workers each are four flows of 0.3125 MB/s, not four of 1.25 MB/s

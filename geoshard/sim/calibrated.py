@@ -33,7 +33,6 @@ REHEARSAL = Constants(
     cpu_gflops=1e6,
     step_overhead_s=0.0195,  # once per optimizer step (not per micro-batch: predict.compute_s)
     startup_s=0.4693,
-    host_cores=2,  # this machine's: every region's ranks and loader workers share them
     batch_s=0.00046,
     store_request_s=0.4238,
     store_byte_s=0.0,
@@ -60,18 +59,11 @@ REHEARSAL = Constants(
 # of a region (an assumption, not a measurement). No launch stagger: the rehearsal's comes from
 # starting every region's processes on one shared host, which regions on their own nodes do not.
 WAN = dataclasses.replace(
-    REHEARSAL,
-    ceiling_mb_s=None,
-    mss=1448,
-    rto_min_s=0.2,
-    local_mb_s=12_500.0,
-    startup_skew_s=0.0,
-    p2p_startup_skew_s=0.0,
-    host_cores=0,
+    REHEARSAL, ceiling_mb_s=None, mss=1448, rto_min_s=0.2, local_mb_s=12_500.0, startup_skew_s=0.0, p2p_startup_skew_s=0.0
 )
 
 
-INT_KEYS = ("mss", "init_cwnd", "host_cores", "gloo_threads", "outer_trips_before", "outer_trips_after", "p2p_member_trips")
+INT_KEYS = ("mss", "init_cwnd", "gloo_threads", "outer_trips_before", "outer_trips_after", "p2p_member_trips")
 
 
 def load_constants(path: Path | None, base: Constants) -> Constants:

@@ -20,7 +20,6 @@ HOST_COSTS = (
     "hook_trip_s",
     "step_overhead_s",
     "startup_s",
-    "startup_crowd_s",
     "request_s",
     "batch_s",
     "checkpoint_s",
@@ -63,12 +62,6 @@ class Constants:
     cpu_gflops: float = 10.0  # the built-in model's forward+backward rate per rank (6 x params x samples flops)
     step_overhead_s: float = 0.002  # per optimizer step outside compute: the loop's own bookkeeping
     startup_s: float = 1.0  # loader start to the first fetch: worker processes, imports
-    # Ranks whose loaders start at the same moment share the host's cores: each one beyond
-    # ``host_cores`` adds this to the first batch. One world (flat, hierarchical) enters its loop
-    # together after its rendezvous; DiLoCo's regions start apart (each its own launch and world).
-    # host_cores 0: every rank on cores of its own (nodes, not one shared rehearsal host).
-    startup_crowd_s: float = 0.0
-    host_cores: int = 0
     request_s: float = 0.005  # one storage request's service time (GET, manifest read)
     tier_mb_s: tuple[tuple[str, float], ...] = (("local", 500.0), ("s3", 100.0), ("alluxio", 200.0))  # one worker's fetch rate
     batch_s: float = 0.0005  # a batch's hand-off from a worker to the training process

@@ -1,10 +1,8 @@
 """The loader's fetch pipeline per region: time to the first batch, IO wait after it, bytes per tier.
 
-- First batch: ``startup_s`` (the worker processes and their imports), plus ``startup_crowd_s``
-  per rank beyond ``host_cores`` among those starting at once (``starting_together``), the
-  manifest read (a request, then its bytes), then the first shard: a request and ``shard_bytes``
-  over the path to the bucket the region reads (links.transfer_s on a fresh flow) or from the
-  local/Alluxio tier.
+- First batch: ``startup_s`` (the worker processes and their imports), the manifest read
+  (a request, then its bytes), then the first shard: a request and ``shard_bytes`` over the path to
+  the bucket the region reads (links.transfer_s on a fresh flow) or from the local/Alluxio tier.
 - After it, each rank's ``num_workers`` workers fetch whole shards at the tier's rate (or the
   link's, for another region's bucket) while the rank consumes batch x accum x sample_bytes per
   step: supply = workers·shard/(fetch), demand = bytes per step / step time. With
@@ -52,26 +50,13 @@ def shared(link: LinkSpec | None, flows: int, cfg: SimConfig) -> LinkSpec | None
     return replace(link, bandwidth_mbit=rate(link, cfg.constants) * 8 / 1e6 / flows)
 
 
-def starting_together(cfg: SimConfig, region: RegionSpec) -> int:
-    """The ranks whose loaders start with ``region``'s: one world's all enter the loop together after
-    its rendezvous; a DiLoCo region is its own world, launched apart from the others (the
-    rehearsal's runs: the regions' loops began 0.5-4 s apart, more than a start-up takes)."""
-    return region.ranks if cfg.sync == "diloco" else cfg.world_size
-
-
-def startup_s(cfg: SimConfig, region: RegionSpec) -> float:
-    k = cfg.constants
-    crowd = max(0, starting_together(cfg, region) - k.host_cores) if k.host_cores else 0
-    return k.startup_s + crowd * k.startup_crowd_s
-
-
 def region_loader(cfg: SimConfig, region: RegionSpec, step_s: float) -> LoaderPrediction:
     """``step_s``: the rank's time per optimizer step without data wait (compute and sync)."""
     k = cfg.constants
     flows = region.ranks * max(1, cfg.num_workers)  # every worker of the region fetches at once
     manifest = shard_fetch_s(cfg, region, cfg.manifest_bytes, region.ranks)  # one manifest read per rank
     fetch = shard_fetch_s(cfg, region, cfg.shard_bytes, flows)
-    first = startup_s(cfg, region) + manifest + fetch
+    first = k.startup_s + manifest + fetch
     per_step = cfg.batch_size * cfg.accum_steps * cfg.sample_bytes
     supply = max(1, cfg.num_workers) * cfg.shard_bytes / fetch  # bytes/s a rank's workers deliver (on a shared link)
     demand = per_step / step_s if step_s > 0 else math.inf
