@@ -20,6 +20,7 @@ metric: median absolute relative error and the worst configuration.
     sudo .venv/bin/python bench/simulate_bench.py                    # ~30-40 minutes on 2 busy cores
     sudo .venv/bin/python bench/simulate_bench.py --only V1,V13      # some validation runs (calibration first)
     sudo .venv/bin/python bench/simulate_bench.py --small            # smoke run: 2+2 runs, 8 steps
+    sudo .venv/bin/python bench/simulate_bench.py --probes P1,P2,P3,P4 --json-out bench/_data/probes.json
 """
 
 from __future__ import annotations
@@ -107,6 +108,16 @@ VALIDATION = (
     Spec("V23", "diloco", hidden=1024, outer_steps=20, overlap=10, outer_transport="p2p"),
     Spec("V24", "diloco", ranks=TWO, hidden=768, outer_steps=10, outer_transport="p2p"),
     Spec("V25", "diloco", outer_steps=10, remote=True, outer_transport="p2p"),
+)
+
+# Not validation: DiLoCo runs reading another region's bucket (V20's) at three pseudo-gradient
+# sizes and one reading its own, to see whether the outer round's bytes on the link the shards
+# come over are what makes their IO wait (run with --probes; never fitted or compared)
+PROBES = (
+    Spec("P1", "diloco", hidden=64, outer_steps=10, remote=True),
+    Spec("P2", "diloco", hidden=512, outer_steps=10, remote=True),
+    Spec("P3", "diloco", hidden=1024, outer_steps=10, remote=True),
+    Spec("P4", "diloco", hidden=1024, outer_steps=10),
 )
 
 # report.json's figures compared; shares and seconds are relative errors of the figure itself.
@@ -604,6 +615,7 @@ def main() -> int:
     ap.add_argument("--scale", action="store_true", help="no runs: the simulator's own time at three sizes")
     ap.add_argument("--resume", action="store_true", help="keep --json-out's runs and do only the others")
     ap.add_argument("--refit", action="store_true", help="no runs: fit and predict again from --json-out's measurements")
+    ap.add_argument("--probes", help="only these of PROBES, e.g. P1,P2 (no calibration, no fit: measured figures)")
     args = ap.parse_args()
     if args.refit:
         return refit(args)
@@ -616,6 +628,8 @@ def main() -> int:
     calibration = list(CALIBRATION)
     if args.small:
         args.steps, calibration, validation = 8, calibration[:2], [VALIDATION[0], VALIDATION[13]]
+    if args.probes:
+        calibration, validation = [], [s for s in PROBES if s.name in args.probes.split(",")]
 
     from multiregion_bench import WEIGHTS, make_split
     from servers import SeaweedS3
@@ -661,7 +675,7 @@ def main() -> int:
                         print(f"  {row['seconds']} s: {json.dumps(row['measured'])}", flush=True)
                         args.json_out.parent.mkdir(parents=True, exist_ok=True)
                         args.json_out.write_text(json.dumps(res, indent=1))  # what ran so far survives a stop
-                    if kind == "calibration":  # shown early; refit() below is what counts
+                    if kind == "calibration" and calibration:  # shown early; refit() below is what counts
                         try:
                             print(dump_constants(fit(res["calibration"], replace(REHEARSAL, ceiling_mb_s=wan.ceiling.mb_per_s), args)))
                         except Exception as e:  # the runs go on; --refit fits again from the JSON
@@ -671,7 +685,7 @@ def main() -> int:
     res["ceiling_mb_s"] = res["ceiling"]["mb_per_s"]
     res["seconds"] = round(time.monotonic() - t_start, 1)
     args.json_out.write_text(json.dumps(res, indent=1))
-    return refit(args)
+    return 0 if args.probes else refit(args)
 
 
 def refit(args: argparse.Namespace) -> int:
