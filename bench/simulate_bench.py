@@ -20,7 +20,7 @@ metric: median absolute relative error and the worst configuration.
     sudo .venv/bin/python bench/simulate_bench.py                    # ~30-40 minutes on 2 busy cores
     sudo .venv/bin/python bench/simulate_bench.py --only V1,V13      # some validation runs (calibration first)
     sudo .venv/bin/python bench/simulate_bench.py --small            # smoke run: 2+2 runs, 8 steps
-    sudo .venv/bin/python bench/simulate_bench.py --probes P1,P2,P3,P4 --json-out bench/_data/probes.json
+    sudo .venv/bin/python bench/simulate_bench.py --probes P1,P2,P3,P4,P5 --json-out bench/_data/probes.json
 """
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ PROBES = (
     Spec("P2", "diloco", hidden=512, outer_steps=10, remote=True),
     Spec("P3", "diloco", hidden=1024, outer_steps=10, remote=True),
     Spec("P4", "diloco", hidden=1024, outer_steps=10),
+    Spec("P5", "flat", remote=True),  # V6: a flat run reading remote, whose steps are longer
 )
 
 # report.json's figures compared; shares and seconds are relative errors of the figure itself.
@@ -232,8 +233,20 @@ def run_one(spec: Spec, wan: Any, net: Any, endpoints: dict[str, str], env: dict
     rounds = [r["sync_s"] for r in (rep.get("outer") or {}).get("rounds", [])]
     row = {"phases": round_phases(out)} if spec.outer_transport == "p2p" and spec.sync == "diloco" else {}
     row |= {"spec": spec.__dict__, "seconds": round(seconds, 1), "measured": measured, "pairs": crossed, "plan": str(plan), "load": load}
+    row["waits"] = step_waits(out)
     row["load_during"] = sampled.summary()
     return {**row, "outer_rounds_s": rounds}
+
+
+def step_waits(out: Path, above_s: float = 0.01) -> dict[str, list[list[float]]]:
+    """Per rank, the steps after the first whose data wait exceeded ``above_s``: where the IO wait
+    after the first batch falls (one stall early in the run, or a little every step)."""
+    waits = {}
+    for f in sorted(out.glob("steps-rank*.jsonl")):
+        recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        late = [r for r in recs if r["step"] > 1 and r["data_wait_s"] > above_s]
+        waits[f.stem.removeprefix("steps-")] = [[r["step"], round(r["data_wait_s"], 3)] for r in late]
+    return waits
 
 
 def round_phases(out: Path) -> list[dict[str, Any]]:
