@@ -314,3 +314,40 @@ def test_encoding_in_chunks_gives_the_same_bytes_as_in_one_pass(name: str, monke
     monkeypatch.setattr(module, "CHUNK_BLOCKS", 3)  # chunks of 3, 3 and 2 blocks
     assert c.encode(x) == whole
     assert torch.equal(c.decode(whole, x.numel()), back)
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("numel", SIZES)
+def test_roundtrip_gives_the_payload_and_exactly_what_decoding_it_gives(name: str, numel: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Error feedback takes its residual from ``roundtrip`` instead of decoding its own payload:
+    the same bytes as ``encode``, and the same floats as ``decode`` of them, bit for bit (chunked
+    too, with a block of zeros and values at fp32's ends)."""
+    from geoshard.trainer.diloco import codec as module
+
+    c = codec(name)
+    x = _random(numel, torch.Generator().manual_seed(numel))
+    x[: min(numel, BLOCK)] = 0.0
+    if numel > BLOCK + 1:
+        x[BLOCK] = 3e38 if name in ("none", "int8", "fp8") else 6e4
+        x[BLOCK + 1] = TINY
+    for chunk_blocks in (module.CHUNK_BLOCKS, 1):
+        monkeypatch.setattr(module, "CHUNK_BLOCKS", chunk_blocks)
+        payload, back = c.roundtrip(x)
+        assert payload == c.encode(x)
+        want = c.decode(payload, numel)
+        assert back.dtype == torch.float32 and back.shape == (numel,)
+        assert torch.equal(back.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("name", ["none", "bf16", "int8", "fp8"])  # the codecs that hold 3e38
+def test_finite_values_whose_sum_overflows_are_not_taken_for_non_finite_ones(name: str) -> None:
+    """The finiteness check is one sum; a sum that overflows (fp32's largest values) is counted
+    again exactly and encodes, where one NaN among them is refused with its count."""
+    big = torch.full((3000,), 3.0e38)
+    assert not math.isfinite(float(big.sum()))
+    payload = codec(name).encode(big)
+    assert torch.isfinite(codec(name).decode(payload, big.numel())).all()
+    big[7] = float("nan")
+    with pytest.raises(NonFinite) as e:
+        codec(name).encode(big)
+    assert str(e.value) == "1 of the pseudo-gradient's 3000 values are NaN or infinite: nothing to encode"

@@ -55,6 +55,11 @@ class Codec(Protocol):
         """A flat fp32 tensor (any device) → bytes; ``NonFinite`` if it holds NaN or infinite values."""
         ...
 
+    def roundtrip(self, flat: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        """``encode(flat)`` and, without reading those bytes back, the fp32 CPU tensor ``decode``
+        gives for them (bit for bit): error feedback's residual is what was sent minus it."""
+        ...
+
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
         """Bytes → a flat fp32 tensor on the CPU; ``Refused`` when they are not ``numel`` values of this form."""
         ...
@@ -63,6 +68,10 @@ class Codec(Protocol):
 def _finite(flat: torch.Tensor) -> torch.Tensor:
     """``flat`` as a flat fp32 tensor on its own device; ``NonFinite`` if it holds NaN or infinite values."""
     x = flat.detach().reshape(-1).to(torch.float32)
+    # One pass: a NaN or an infinity makes the sum NaN or infinite. Only a sum that overflowed
+    # (or a value that is not finite) pays the count, which decides.
+    if math.isfinite(float(x.sum())):
+        return x
     bad = int((~torch.isfinite(x)).sum())
     if bad:
         raise NonFinite(f"{bad} of the pseudo-gradient's {x.numel()} values are NaN or infinite: nothing to encode")
@@ -93,8 +102,14 @@ class Cast:
         # Cast where the values are, then copy: a GPU's copy to the host carries 2 bytes a value, not 4
         # (the copy was most of fp16's encode at 10^9 values on an H200 node). The cast rounds to
         # nearest even on either device, so the bytes are the same.
-        t = _finite(flat).to(self.dtype).cpu()
-        return bytes(t.view(torch.uint8).numpy().tobytes())
+        return self._cast(flat).view(torch.uint8).numpy().tobytes()
+
+    def roundtrip(self, flat: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        t = self._cast(flat)
+        return t.view(torch.uint8).numpy().tobytes(), t.to(torch.float32)
+
+    def _cast(self, flat: torch.Tensor) -> torch.Tensor:
+        return _finite(flat).to(self.dtype).cpu()
 
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
         _sized(payload, self.nbytes(numel), numel, self.name)
@@ -118,6 +133,15 @@ class Blockwise:
         return numel + _SCALE.itemsize * self.blocks(numel)
 
     def encode(self, flat: torch.Tensor) -> bytes:
+        return self._encode(flat, None)
+
+    def roundtrip(self, flat: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        back = torch.empty(flat.numel(), dtype=torch.float32)
+        return self._encode(flat, back), back
+
+    def _encode(self, flat: torch.Tensor, back: torch.Tensor | None) -> bytes:
+        """The payload; with ``back``, also what ``decode`` makes of it, written there (the same
+        operations on the same codes and scales, so the same floats)."""
         x = _finite_cpu(flat)
         n = x.numel()
         scales = torch.empty(self.blocks(n), dtype=_SCALE)
@@ -134,7 +158,9 @@ class Blockwise:
             else:
                 q = scaled.clamp_(-self.qmax, self.qmax).to(self.dtype)
             codes[lo:hi] = q.reshape(-1)[: hi - lo].view(torch.uint8)
-        return bytes(scales.numpy().tobytes()) + bytes(codes.numpy().tobytes())
+            if back is not None:
+                back[lo:hi] = (q.to(torch.float32) / self.qmax * absmax[:, None]).reshape(-1)[: hi - lo]
+        return scales.numpy().tobytes() + codes.numpy().tobytes()
 
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
         _sized(payload, self.nbytes(numel), numel, self.name)
@@ -156,7 +182,8 @@ class Blockwise:
             b = lo // self.block
             # code / qmax lies in [-1, 1], so the product never overflows a finite scale.
             out[lo:hi] = (vals / self.qmax * scales[b : b + vals.shape[0], None]).reshape(-1)[: hi - lo]
-        bad = int((~torch.isfinite(out)).sum())  # fp8's NaN codes (int8 has none)
+        # fp8's NaN codes; an int8 code (-127..127) over 127 times a finite scale is finite
+        bad = int((~torch.isfinite(out)).sum()) if self.dtype != torch.int8 else 0
         if bad:
             raise Refused("non-finite", f"{bad} of its {numel} {self.name} values are NaN")
         return out
@@ -213,8 +240,8 @@ class ErrorFeedback:
         sent = delta.detach().reshape(-1).float()
         if self.residual is not None:
             sent = sent + self.residual.to(sent.device)
-        payload = self.codec.encode(sent)
-        self.residual = sent - self.codec.decode(payload, self.numel).to(sent.device)
+        payload, back = self.codec.roundtrip(sent)
+        self.residual = sent - back.to(sent.device)
         return payload
 
     def state_dict(self) -> dict[str, Any]:

@@ -123,13 +123,17 @@ class Quantized:
         x = delta.detach().reshape(-1).float()
         if self.feedback and not fresh and s in self.residual:
             x = x + self.residual[s]
-        out = [[self.codec.encode(x[a:b]) for a, b in chunk] for chunk in cuts]
-        if self.feedback and not fresh:
-            sent = torch.empty_like(x)
-            for chunk, payloads in zip(cuts, out, strict=True):
-                for (a, b), p in zip(chunk, payloads, strict=True):
-                    sent[a:b] = _decode(self.codec, p, b - a)
-            self.residual[s] = x - sent
+        if not (self.feedback and not fresh):
+            return [[self.codec.encode(x[a:b]) for a, b in chunk] for chunk in cuts]
+        out, sent = [], torch.empty_like(x)
+        for chunk in cuts:
+            payloads = []
+            for a, b in chunk:
+                payload, back = self.codec.roundtrip(x[a:b])
+                sent[a:b] = back
+                payloads.append(payload)
+            out.append(payloads)
+        self.residual[s] = x - sent
         return out
 
     def state(self, spans: dict[int, tuple[int, int]], numel: int) -> torch.Tensor:
