@@ -57,7 +57,7 @@ class Codec(Protocol):
 
     def roundtrip(self, flat: torch.Tensor) -> tuple[bytes, torch.Tensor]:
         """``encode(flat)`` and, without reading those bytes back, the fp32 CPU tensor ``decode``
-        gives for them (bit for bit): error feedback's residual is what was sent minus it."""
+        gives for them (the same values): error feedback's residual is what was sent minus it."""
         ...
 
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
@@ -141,25 +141,30 @@ class Blockwise:
 
     def _encode(self, flat: torch.Tensor, back: torch.Tensor | None) -> bytes:
         """The payload; with ``back``, also what ``decode`` makes of it, written there (the same
-        operations on the same codes and scales, so the same floats)."""
+        operations on the same codes and scales, so the same floats; an int8 zero may be -0.0)."""
         x = _finite_cpu(flat)
         n = x.numel()
         scales = torch.empty(self.blocks(n), dtype=_SCALE)
         codes = torch.empty(n, dtype=torch.uint8)
         for lo, hi in self._chunks(n):
             b = lo // self.block
-            xb = torch.nn.functional.pad(x[lo:hi], (0, -(hi - lo) % self.block)).view(-1, self.block)
+            tail = -(hi - lo) % self.block  # only the last chunk's last block is partial: pad that one alone
+            xb = (torch.nn.functional.pad(x[lo:hi], (0, tail)) if tail else x[lo:hi]).view(-1, self.block)
             absmax = xb.abs().amax(dim=1)
             scales[b : b + absmax.numel()] = absmax
             # x / absmax lies in [-1, 1] (exact division, no overflow at 3e38 nor underflow at 1e-45).
-            scaled = xb / torch.where(absmax > 0, absmax, 1.0)[:, None] * self.qmax
+            scaled = xb / torch.where(absmax > 0, absmax, 1.0)[:, None]
+            scaled.mul_(self.qmax)
             if self.dtype == torch.int8:
                 q = scaled.round_().clamp_(-self.qmax, self.qmax).to(torch.int8)
             else:
                 q = scaled.clamp_(-self.qmax, self.qmax).to(self.dtype)
             codes[lo:hi] = q.reshape(-1)[: hi - lo].view(torch.uint8)
             if back is not None:
-                back[lo:hi] = (q.to(torch.float32) / self.qmax * absmax[:, None]).reshape(-1)[: hi - lo]
+                # int8: ``scaled`` holds the codes' values already (whole numbers in fp32); fp8's
+                # are what the cast rounded them to
+                vals = scaled if self.dtype == torch.int8 else q.to(torch.float32)
+                back[lo:hi] = vals.div_(self.qmax).mul_(absmax[:, None]).reshape(-1)[: hi - lo]
         return scales.numpy().tobytes() + codes.numpy().tobytes()
 
     def decode(self, payload: bytes, numel: int) -> torch.Tensor:
