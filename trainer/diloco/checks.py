@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from geoshard.trainer.diloco.auth import Refused
-from geoshard.trainer.diloco.codec import codec
+from geoshard.trainer.diloco.codec import codec, non_finite
 
 MAX_ROUND = 10**9
 # torch.save's zip framing around the state's two tensors and its few small fields.
@@ -50,7 +50,7 @@ def grad(payload: bytes, bounds: Bounds) -> torch.Tensor:
 
 
 def finite(t: torch.Tensor, what: str) -> torch.Tensor:
-    bad = int((~torch.isfinite(t)).sum())
+    bad = non_finite(t)
     if bad:
         raise Refused("non-finite", f"{bad} of its {t.numel()} {what} values are NaN or infinite")
     return t

@@ -65,14 +65,19 @@ class Codec(Protocol):
         ...
 
 
+def non_finite(t: torch.Tensor) -> int:
+    """How many of ``t``'s values are NaN or infinite. One pass when none is: a NaN or an infinity
+    makes the sum NaN or infinite, so only a sum that is not finite (or that overflowed) pays the
+    exact count."""
+    if math.isfinite(float(t.sum())):
+        return 0
+    return int((~torch.isfinite(t)).sum())
+
+
 def _finite(flat: torch.Tensor) -> torch.Tensor:
     """``flat`` as a flat fp32 tensor on its own device; ``NonFinite`` if it holds NaN or infinite values."""
     x = flat.detach().reshape(-1).to(torch.float32)
-    # One pass: a NaN or an infinity makes the sum NaN or infinite. Only a sum that overflowed
-    # (or a value that is not finite) pays the count, which decides.
-    if math.isfinite(float(x.sum())):
-        return x
-    bad = int((~torch.isfinite(x)).sum())
+    bad = non_finite(x)
     if bad:
         raise NonFinite(f"{bad} of the pseudo-gradient's {x.numel()} values are NaN or infinite: nothing to encode")
     return x
@@ -173,7 +178,7 @@ class Blockwise:
         raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         head = nb * _SCALE.itemsize
         scales = raw[:head].view(_SCALE)
-        bad = int((~torch.isfinite(scales)).sum())
+        bad = non_finite(scales)
         if bad:
             raise Refused("non-finite", f"{bad} of its {nb} {self.name} block scales are NaN or infinite")
         if bool((scales < 0).any()):
@@ -188,7 +193,7 @@ class Blockwise:
             # code / qmax lies in [-1, 1], so the product never overflows a finite scale.
             out[lo:hi] = (vals / self.qmax * scales[b : b + vals.shape[0], None]).reshape(-1)[: hi - lo]
         # fp8's NaN codes; an int8 code (-127..127) over 127 times a finite scale is finite
-        bad = int((~torch.isfinite(out)).sum()) if self.dtype != torch.int8 else 0
+        bad = non_finite(out) if self.dtype != torch.int8 else 0
         if bad:
             raise Refused("non-finite", f"{bad} of its {numel} {self.name} values are NaN")
         return out
@@ -265,7 +270,7 @@ class ErrorFeedback:
         if not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32 or tuple(residual.shape) != (self.numel,):
             shape = f"{residual.dtype} {tuple(residual.shape)}" if isinstance(residual, torch.Tensor) else type(residual).__name__
             raise Refused("malformed", f"the error feedback residual is {shape}, the model's is torch.float32 ({self.numel},)")
-        bad = int((~torch.isfinite(residual)).sum())
+        bad = non_finite(residual)
         if bad:
             raise Refused("non-finite", f"{bad} of the error feedback residual's {self.numel} values are NaN or infinite")
         self.residual = residual.clone()

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from geoshard.trainer.diloco.auth import Refused
+from geoshard.trainer.diloco.codec import non_finite
 from geoshard.trainer.diloco.shards import Layout, owner
 
 PIECE = 1 << 22  # values a message: 16 MB of fp32, the most a sending rank copies at once (to a device)
@@ -28,8 +29,9 @@ def checked_momentum(value: Any, numel: int) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or tuple(value.shape) != (numel,):
         what = f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
         raise Refused("malformed", f"the outer momentum must be float32 of shape ({numel},), got {what}")
-    if not bool(torch.isfinite(value).all()):
-        raise Refused("non-finite", f"{int((~torch.isfinite(value)).sum())} of the outer momentum's values are NaN or infinite")
+    bad = non_finite(value)
+    if bad:
+        raise Refused("non-finite", f"{bad} of the outer momentum's values are NaN or infinite")
     return value.detach().cpu().clone()
 
 

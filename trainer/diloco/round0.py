@@ -11,6 +11,7 @@ import torch
 from torch.distributed import BroadcastOptions
 
 from geoshard.trainer.diloco import state_auth
+from geoshard.trainer.diloco.codec import non_finite
 from geoshard.trainer.diloco.handover import OTHER_REFUSED
 from geoshard.trainer.diloco.kv import OuterSyncError
 from geoshard.trainer.diloco.membership import last_round
@@ -86,7 +87,7 @@ def first_round(ex: P2PExchange, source: str, current: torch.Tensor, join_timeou
             why = state_auth.check_all(ex.kv, sent_to_us, timeout)
             if region_max(ex.region_group, int(bool(why))):
                 raise OuterSyncError(f"DiLoCo: outer round 0 from {source}: refused ({why or OTHER_REFUSED})")
-    bad = sum(int((~torch.isfinite(t)).sum()) for t in (*own.values(), *mom.values()))
+    bad = sum(non_finite(t) for t in (*own.values(), *mom.values()))
     if region_max(ex.region_group, int(bad > 0)):
         raise OuterSyncError(f"DiLoCo: outer round 0 from {source}: parameters that are NaN or infinite arrived; refused")
     momentum = torch.cat([mom[s] for s in ex.layout.mine]) if mom else None
