@@ -303,7 +303,7 @@ def predict_one(row: dict[str, Any], constants: Path, args: argparse.Namespace) 
 
     spec = Spec(**row["spec"])
     argv = [GEOSHARD, "simulate", *train_argv(spec, Path(row["plan"]), args), "--wan", str(args.matrix), "--rehearsal"]
-    argv += ["--constants", str(constants), "--samples", str(args.samples), "--sample-bytes", str(args.sample_bytes)]
+    argv += ["--constants", str(constants), "--samples", str(args.samples), "--sample-bytes", str(sim_sample_bytes(args))]
     argv += ["--shard-bytes", str(args.shard_bytes), "--host-slowdown", str(slowdown(row)), "--json"]
     if spec.remote:
         argv += ["--data-from", ",".join(f"{a}={b}" for a, b in READS_FROM.items())]
@@ -315,6 +315,15 @@ def predict_one(row: dict[str, Any], constants: Path, args: argparse.Namespace) 
     if (rep.get("outer") or {}).get("phases"):
         out["phases"] = rep["outer"]["phases"]  # one round's, to set beside the records' (not a compared metric)
     return out
+
+
+def sim_sample_bytes(args: argparse.Namespace) -> int:
+    """The sample size the predictions are given: as stored (a shard's bytes over its samples, the
+    tar headers and every file of the sample included: what the loader fetches), or with
+    ``--sample-bytes-as payload`` the synthetic payload alone (what runs before 12-07 were given)."""
+    if getattr(args, "sample_bytes_as", "stored") == "payload":
+        return int(args.sample_bytes)
+    return round(args.shard_bytes / args.shard_samples)
 
 
 def slowdown(row: dict[str, Any]) -> float:
@@ -507,7 +516,7 @@ def _cli_kwargs(spec: Spec, plan: Path, args: argparse.Namespace) -> dict[str, A
     from geoshard.cli.simulate import simulate
 
     argv = [*train_argv(spec, plan, args), "--wan", str(args.matrix), "--rehearsal", "--samples", str(args.samples)]
-    argv += ["--sample-bytes", str(args.sample_bytes), "--shard-bytes", str(args.shard_bytes)]
+    argv += ["--sample-bytes", str(sim_sample_bytes(args)), "--shard-bytes", str(args.shard_bytes)]
     if spec.remote:
         argv += ["--data-from", ",".join(f"{a}={b}" for a, b in READS_FROM.items())]
     ctx = simulate.make_context("simulate", argv)
@@ -627,6 +636,12 @@ def main() -> int:
     ap.add_argument("--json-out", type=Path, default=ROOT / "bench" / "_data" / "simulate_bench.json")
     ap.add_argument("--scale", action="store_true", help="no runs: the simulator's own time at three sizes")
     ap.add_argument("--resume", action="store_true", help="keep --json-out's runs and do only the others")
+    ap.add_argument(
+        "--sample-bytes-as",
+        choices=("stored", "payload"),
+        default="stored",
+        help="the sample size predictions get: as stored in the shards (default) or the payload alone (before 12-07)",
+    )
     ap.add_argument("--refit", action="store_true", help="no runs: fit and predict again from --json-out's measurements")
     ap.add_argument("--probes", help="only these of PROBES, e.g. P1,P2 (no calibration, no fit: measured figures)")
     args = ap.parse_args()
@@ -706,7 +721,7 @@ def refit(args: argparse.Namespace) -> int:
     from geoshard.sim.calibrated import REHEARSAL, dump_constants
 
     res = json.loads(args.json_out.read_text())
-    for k in ("steps", "batch_size", "step_time", "samples", "sample_bytes", "shard_bytes"):
+    for k in ("steps", "batch_size", "step_time", "samples", "sample_bytes", "shard_bytes", "shard_samples"):
         setattr(args, k, res["config"][k])
     args.matrix = Path(res["config"]["matrix"])
     constants = fit(res["calibration"], replace(REHEARSAL, ceiling_mb_s=res["ceiling"]["mb_per_s"]), args)

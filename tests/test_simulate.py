@@ -294,6 +294,46 @@ def test_a_link_to_another_regions_bucket_is_shared_by_the_regions_workers() -> 
     assert loader.region_loader(alone, alone.regions[0], 0.01).fetch_s == pytest.approx(0.01 + 0.01 + alone.shard_bytes / 1.25e6)
 
 
+def test_a_new_connection_ramps_from_the_receivers_window_where_it_is_the_smaller() -> None:
+    """bench/get_probe.py: at the rehearsal's MSS the sender's initial window (10 x 64,948 bytes)
+    holds a whole 512 KiB piece, but a new connection's receiver starts at a 65,536-byte window."""
+    # K's initial window (10,000 bytes) is below the receiver's: a new connection ramps as any flow
+    assert links.delivered_s(30_000, 0.1, 1e6, K, fresh=True) == links.delivered_s(30_000, 0.1, 1e6, K)
+    big = dataclasses.replace(K, mss=64_948)
+    piece, rtt, bps = 512 << 10, 0.22, 12.5e6
+    assert links.delivered_s(piece, rtt, bps, big) == pytest.approx(piece / bps)  # the first window holds it
+    # from 65,536 bytes: rounds of 1, 2 and 4 windows (458,752 bytes) in 3 round trips, the rest at the rate
+    fresh = 3 * rtt + (piece - 7 * 65_536) / bps
+    assert links.delivered_s(piece, rtt, bps, big, fresh=True) == pytest.approx(fresh)
+    # the handshake's round trip, the request out and the first byte back, then the body
+    ap = LinkSpec(AP, US, 110, 100)
+    assert links.new_connection_s(piece, ap, big) == pytest.approx(rtt + rtt + fresh)
+
+
+def test_another_regions_bucket_first_piece_on_a_new_connection_and_the_second_pieces_stall() -> None:
+    k = Constants(mss=1000, init_cwnd=10, startup_s=0.0, request_s=0.0, trip_s=0.0, batch_s=0.0)
+    regions = (RegionSpec(US, 1, "s3", data_region=EU), RegionSpec(EU, 1))
+    kw: dict[str, object] = {"batch_size": 10, "sample_bytes": 1000, "shard_bytes": 1_000_000, "chunk_bytes": 100_000}
+    link = (LinkSpec(US, EU, 50, 8),)  # 1 MB/s, 0.1 s round trip
+    cfg = SimConfig(regions=regions, links=link, num_workers=1, manifest_bytes=1000, constants=k, steps=100, **kw)  # type: ignore[arg-type]
+    # the first batch's piece is one chunk (10 KB a batch): a new connection's handshake (0.1 s),
+    # the request and first byte (0.1 s), then 100,000 bytes from 10,000: 3 round trips + 30,000 at 1 MB/s
+    piece = 0.1 + 0.1 + 3 * 0.1 + 0.03
+    manifest = 0.05 + 0.05 + 0.001  # the manifest's request and its 1,000 bytes back
+    slow = loader.region_loader(cfg, regions[0], step_s=0.02)
+    assert slow.time_to_first_batch_s == pytest.approx(manifest + piece)
+    # the piece holds 10 batches; at 0.02 s a step they last 0.2 s, and the second piece on its own
+    # new connection takes 0.53 s: one stall of 0.33 s over the 100 steps (supply keeps up after it)
+    assert slow.io_wait_s_per_step == pytest.approx((piece - 0.2) / 100)
+    assert loader.region_loader(cfg, regions[0], step_s=0.1).io_wait_s_per_step == 0.0  # 10 steps of 0.1 s cover it
+    from geoshard.split.writer import CHUNK_BYTES
+
+    assert SimConfig(regions=regions, links=link).chunk_bytes == CHUNK_BYTES  # the model's default is the split's
+    # its own bucket: no link, no stall, the whole shard's fetch as before
+    own = dataclasses.replace(cfg, regions=(RegionSpec(US, 1, "s3"), regions[1]))
+    assert loader.region_loader(own, own.regions[0], step_s=0.02).io_wait_s_per_step == 0.0
+
+
 def test_a_fresh_diloco_job_sends_the_first_regions_parameters_once_in_fp32() -> None:
     # round 0: us-east-1 (the store's host) publishes, eu-west-1's and ap-southeast-1's leaders read 4 bytes a parameter
     cfg = three(sync="diloco", steps=30, outer_steps=10, params=1000)
@@ -581,9 +621,10 @@ def test_predictions_within_20_percent_of_runs_under_the_rehearsal(tmp_path: Pat
         step_time=0.1,
         samples=6000,
         sample_bytes=1000,
+        shard_samples=500,
         json_out=tmp_path / "runs.json",
     )
-    split = make_split(tmp_path, args.samples, args.sample_bytes, 500)
+    split = make_split(tmp_path, args.samples, args.sample_bytes, args.shard_samples)
     args.shard_bytes = round(statistics.fmean(p.stat().st_size for p in split.rglob("*.tar")))
     specs = [
         sb.Spec("T1", "flat"),

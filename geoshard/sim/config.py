@@ -49,6 +49,10 @@ class Constants:
     ceiling_mb_s: float | None = None  # the rehearsal's forwarder ceiling (MB/s); None: a real WAN, no forwarder
     mss: int = 1448  # TCP payload per segment: 1448 on a 1500-byte path; the rehearsal's TUN MTU 65,000 gives 64,948
     init_cwnd: int = 10  # segments (Linux's initial window)
+    # The window a new connection's receiver starts with: Linux's tcp_rmem default (131,072 bytes)
+    # at tcp_adv_win_scale 1, half the buffer; it grows each round trip as the reader reads. It is
+    # the limit where init_cwnd x mss is larger (the rehearsal's 65,000 MTU; bench/get_probe.py).
+    init_rwnd: int = 65_536
     ring_step_latencies: float = 2.0  # one-way latencies per ring step (gloo: the receiver announces its buffer, then the chunk)
     gloo_threads: int = 2  # ProcessGroupGloo's worker threads: flat's asynchronous bucket all-reduces run this many at once
     rto_min_s: float = 0.2  # Linux's minimum retransmission timeout: an idle flow past rtt + this restarts slow start
@@ -147,6 +151,7 @@ class SimConfig:
     prefetch: int = 2
     sample_bytes: int = 1000
     shard_bytes: int = 64_000_000
+    chunk_bytes: int = 512 << 10  # a shard's chunks (geoshard split's): a worker fetches its first piece by chunks
     manifest_bytes: int = 100_000  # the region manifest read before the first fetch
     params: int = 0  # the model's parameters (0: no model, no gradient exchange)
     tensor_params: tuple[int, ...] = ()  # its gradients in DDP's bucketing order (empty: params as one list of 1M tensors)
@@ -174,7 +179,8 @@ class SimConfig:
                 raise ConfigError(f"simulate: region {r.name}: ranks must be >= 1 and tier one of {', '.join(TIERS)}")
             if r.data_region is not None and r.data_region not in names:
                 raise ConfigError(f"simulate: region {r.name} reads from {r.data_region}, which is not one of the job's regions")
-        for k in ("steps", "batch_size", "accum_steps", "sample_bytes", "shard_bytes", "outer_steps", "outer_streams", "checkpoint_every"):
+        positive = ("steps", "batch_size", "accum_steps", "sample_bytes", "shard_bytes", "chunk_bytes", "outer_steps", "outer_streams")
+        for k in (*positive, "checkpoint_every"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"simulate: {k.replace('_', '-')} must be at least 1, got {getattr(self, k)}")
         if self.sync not in SYNCS:

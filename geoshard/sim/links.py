@@ -31,16 +31,17 @@ def one_way(link: LinkSpec | None) -> float:
     return link.latency_ms / 1000 if link is not None else 0.0
 
 
-def delivered_s(nbytes: float, rtt: float, bps: float, k: Constants) -> float:
+def delivered_s(nbytes: float, rtt: float, bps: float, k: Constants, fresh: bool = False) -> float:
     """Seconds from a fresh flow's first byte to its ``nbytes``-th, latency excluded.
 
     Round i of slow start sends W0·2^i bytes (W0 = init_cwnd·mss) until the window reaches the
     bandwidth-delay product bps·rtt after K = ceil(log2(bdp/W0)) rounds, R = W0(2^K - 1) bytes.
     Up to R: the rounds it takes, the last one paced at the rate; past R: K round trips + the rest at the rate.
+    ``fresh``: a new connection, whose receiver's window (``init_rwnd``) also starts small.
     """
     if nbytes <= 0:
         return 0.0
-    w0 = k.init_cwnd * k.mss
+    w0 = min(k.init_cwnd * k.mss, k.init_rwnd) if fresh else k.init_cwnd * k.mss
     bdp = bps * rtt
     ramp_rounds = max(0, math.ceil(math.log2(bdp / w0))) if bdp > w0 else 0
     ramp_bytes = w0 * (2**ramp_rounds - 1)
@@ -58,6 +59,15 @@ def transfer_s(nbytes: float, link: LinkSpec | None, k: Constants, warm_bytes: f
         return nbytes / rate(None, k) + k.trip_s
     bps, rtt = rate(link, k), 2 * one_way(link)
     return one_way(link) + delivered_s(warm_bytes + nbytes, rtt, bps, k) - delivered_s(warm_bytes, rtt, bps, k) + k.trip_s
+
+
+def new_connection_s(nbytes: float, link: LinkSpec | None, k: Constants) -> float:
+    """A request of ``nbytes`` on a connection opened for it: the handshake's round trip, the
+    request out, then the bytes back on a window both ends start small (``delivered_s(fresh=True)``)."""
+    if link is None:
+        return transfer_s(nbytes, None, k)
+    bps, rtt = rate(link, k), 2 * one_way(link)
+    return rtt + 2 * one_way(link) + delivered_s(nbytes, rtt, bps, k, fresh=True) + k.trip_s
 
 
 def round_trip_s(link: LinkSpec | None, k: Constants) -> float:

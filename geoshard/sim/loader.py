@@ -8,6 +8,12 @@
   step: supply = workers·shard/(fetch), demand = bytes per step / step time. With
   supply >= demand the wait is the per-batch hand-off (``batch_s``); below it the rank waits
   for the missing share: step·(demand/supply - 1).
+- Another region's bucket (bench/get_probe.py measured it): a worker's first fetch goes on a new
+  connection (a handshake, then a window both ends start small: links.new_connection_s) and is
+  its first piece, the chunks its first batch spans (loaders/pieces.py), not a whole shard. The
+  fetch queue starts its second piece while the first is still arriving, so the client's pool opens
+  a second new connection for it; the worker waits for it if the batches its first piece holds
+  are done before it lands: one stall a run (``second_piece_stall_s``), spread over the steps.
 - A link to another region's bucket is shared: the region's ranks x workers fetch over it at
   once (a TCP flow each), so each flow gets the link's rate over their count and the region's
   supply is the link's rate, not a worker's full rate times the workers.
@@ -21,7 +27,7 @@ import math
 from dataclasses import dataclass, replace
 
 from geoshard.sim.config import LinkSpec, RegionSpec, SimConfig
-from geoshard.sim.links import one_way, rate, transfer_s
+from geoshard.sim.links import new_connection_s, one_way, rate, transfer_s
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,31 @@ def shard_fetch_s(cfg: SimConfig, region: RegionSpec, nbytes: float, flows: int 
     return k.request_s + nbytes / k.tier_rate(region.tier)
 
 
+def remote_link(cfg: SimConfig, region: RegionSpec, flows: int) -> LinkSpec | None:
+    """The link to the bucket ``region`` reads as one of ``flows`` flows; None for its own bucket or another tier."""
+    source = region.data_region or region.name
+    if region.tier != "s3" or source == region.name:
+        return None
+    return shared(cfg.link(region.name, source), flows, cfg)
+
+
+def first_piece_bytes(cfg: SimConfig) -> float:
+    """A worker's first piece: the whole chunks its first batch spans, at most a shard."""
+    batch = cfg.batch_size * cfg.sample_bytes
+    return float(min(cfg.shard_bytes, math.ceil(batch / cfg.chunk_bytes) * cfg.chunk_bytes))
+
+
+def second_piece_stall_s(cfg: SimConfig, link: LinkSpec, step_s: float) -> float:
+    """How long worker 0 waits, once, for its second piece on a new connection: requested about
+    when its first batch is handed, needed once the batches its first piece holds are consumed
+    (the rank takes its workers' batches in turn, ``accum_steps`` a step)."""
+    k = cfg.constants
+    batches = max(1, int(first_piece_bytes(cfg) // (cfg.batch_size * cfg.sample_bytes)))
+    covered = (batches * max(1, cfg.num_workers) // cfg.accum_steps) * step_s
+    fetch = k.request_s + new_connection_s(min(cfg.chunk_bytes, cfg.shard_bytes), link, k)
+    return max(0.0, fetch - covered)
+
+
 def shared(link: LinkSpec | None, flows: int, cfg: SimConfig) -> LinkSpec | None:
     """``link`` as one of ``flows`` concurrent flows sees it: its rate (cap or forwarder ceiling) over their count."""
     if link is None or flows <= 1:
@@ -56,12 +87,18 @@ def region_loader(cfg: SimConfig, region: RegionSpec, step_s: float) -> LoaderPr
     flows = region.ranks * max(1, cfg.num_workers)  # every worker of the region fetches at once
     manifest = shard_fetch_s(cfg, region, cfg.manifest_bytes, region.ranks)  # one manifest read per rank
     fetch = shard_fetch_s(cfg, region, cfg.shard_bytes, flows)
-    first = k.startup_s + manifest + fetch
+    remote = remote_link(cfg, region, flows)
+    if remote is None:
+        first = k.startup_s + manifest + fetch
+    else:  # the worker's own new connection, and its first piece
+        first = k.startup_s + manifest + k.request_s + new_connection_s(first_piece_bytes(cfg), remote, k)
     per_step = cfg.batch_size * cfg.accum_steps * cfg.sample_bytes
     supply = max(1, cfg.num_workers) * cfg.shard_bytes / fetch  # bytes/s a rank's workers deliver (on a shared link)
     demand = per_step / step_s if step_s > 0 else math.inf
     handoff = cfg.accum_steps * k.batch_s
     wait = handoff if supply >= demand else handoff + per_step / supply - step_s
+    if remote is not None:
+        wait += second_piece_stall_s(cfg, remote, step_s) / cfg.steps
     consumed = per_step * cfg.steps  # per rank
     shards = math.ceil(consumed / cfg.shard_bytes) + max(1, cfg.num_workers) * max(1, cfg.prefetch)
     fetched = float(shards * cfg.shard_bytes)
@@ -70,5 +107,4 @@ def region_loader(cfg: SimConfig, region: RegionSpec, step_s: float) -> LoaderPr
         epochs = math.ceil(consumed / share) if share > 0 else 1
         fetched = min(fetched, epochs * share)
     total = fetched * region.ranks
-    remote = region.tier == "s3" and (region.data_region or region.name) != region.name
-    return LoaderPrediction(first, wait, total, total if remote else 0.0, fetch)
+    return LoaderPrediction(first, wait, total, total if remote is not None else 0.0, fetch)
