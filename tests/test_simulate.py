@@ -322,13 +322,22 @@ def test_another_regions_bucket_first_piece_on_a_new_connection_and_the_second_p
     manifest = 0.05 + 0.05 + 0.001  # the manifest's request and its 1,000 bytes back
     slow = loader.region_loader(cfg, regions[0], step_s=0.02)
     assert slow.time_to_first_batch_s == pytest.approx(manifest + piece)
-    # the piece holds 10 batches; at 0.02 s a step they last 0.2 s, and the second piece on its own
-    # new connection takes 0.53 s: one stall of 0.33 s over the 100 steps (supply keeps up after it)
-    assert slow.io_wait_s_per_step == pytest.approx((piece - 0.2) / 100)
+    # the second piece goes on its own new connection (0.53 s) when the first has 256 KiB left,
+    # which for a 100,000-byte piece is from its start: 0.33 s before the first batch. The first
+    # piece holds 10 batches, 0.2 s at 0.02 s a step: one stall of 0.53 - 0.33 - 0.2 = 0 s. At
+    # 0.005 s a step they last 0.05 s: a stall of 0.15 s over the 100 steps (supply keeps up after it)
+    assert slow.io_wait_s_per_step == pytest.approx(0.0)
+    fast = loader.region_loader(cfg, regions[0], step_s=0.005)
+    supply = 1_000_000 / (0.05 + 0.05 + 0.4 + 0.85)  # a worker's whole shards over the link (ramped)
+    base = 10_000 / supply - 0.005  # below the demand of 10 KB / 0.005 s: the missing share each step
+    assert fast.io_wait_s_per_step == pytest.approx(base + (piece - 0.33 - 0.05) / 100)
     assert loader.region_loader(cfg, regions[0], step_s=0.1).io_wait_s_per_step == 0.0  # 10 steps of 0.1 s cover it
     from geoshard.split.writer import CHUNK_BYTES
 
+    from geoshard.loaders.fetchqueue import LEAD_BYTES
+
     assert SimConfig(regions=regions, links=link).chunk_bytes == CHUNK_BYTES  # the model's default is the split's
+    assert loader.LEAD_BYTES == LEAD_BYTES  # and its lead the fetch queue's
     # its own bucket: no link, no stall, the whole shard's fetch as before
     own = dataclasses.replace(cfg, regions=(RegionSpec(US, 1, "s3"), regions[1]))
     assert loader.region_loader(own, own.regions[0], step_s=0.02).io_wait_s_per_step == 0.0

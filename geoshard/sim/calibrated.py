@@ -21,38 +21,39 @@ REHEARSAL = Constants(
     ceiling_mb_s=850.0,  # docs/benchmarks.md, wan_bench accuracy: 856 MB/s median at load 7-10 (a run passes its own)
     rto_min_s=10.0,  # the calibration set C1-C5 fits best with warm flows: no slow-start restart between steps here
     mss=64_948,  # TUN MTU 65,000 - 52 bytes of IPv4 and TCP headers with timestamps
-    # Fitted by bench/simulate_bench.py on its calibration set C1-C8 on a quiet host (2026-12-04
-    # 22:43-22:56, load 0.4-1.2 averaged through each run, after the p2p pipeline landed; the fit at
-    # load 7.6-14.9 of 15:50-19:3x gave per-unit host costs of 0.5x to 4.5x these: load / 2 is a
-    # rough correction), per unit of host slowdown (load / 2 cores, at least 1) where a constant is the
-    # host's (config.HOST_COSTS): the built-in model's size does not show in its compute on these 2
-    # cores (cpu_gflops unbounded): a step's compute is mostly the loop's and the sleep's.
-    bucket_s=0.00373,
+    # Fitted by bench/simulate_bench.py on its calibration set C1-C8 on a quiet host (2026-12-07
+    # 09:34-10:07, load < 2 through each run; `--refit` of bench/_data/sim1207.json), with the
+    # loader's new connections to another region's bucket (sim/loader.py) and the samples' stored
+    # size; per unit of host slowdown (load / 2 cores, at least 1) where a constant is the host's
+    # (config.HOST_COSTS; fits at load 7.6-14.9 gave per-unit host costs of 0.5x to 4.5x quiet ones:
+    # load / 2 is a rough correction). The built-in model's compute fits 39 GFLOPS on these cores
+    # (12-04's fit found none: its size hid in the loop's and the sleep's time).
+    bucket_s=0.00344,
     trip_s=0.0,
-    hook_trip_s=0.01541,
-    cpu_gflops=1e6,
-    step_overhead_s=0.0195,  # once per optimizer step (not per micro-batch: predict.compute_s)
-    startup_s=0.4693,
-    batch_s=0.00046,
-    store_request_s=0.4238,
+    hook_trip_s=0.01754,
+    cpu_gflops=39.078,
+    step_overhead_s=0.01594,  # once per optimizer step (not per micro-batch: predict.compute_s)
+    startup_s=0.5214,
+    batch_s=0.0004,
+    store_request_s=0.3389,
     store_byte_s=0.0,
     # The launch's stagger before the first DiLoCo round (C4 and C6: their median): every
     # region's processes start on this one shared host.
-    startup_skew_s=7.8296,
+    startup_skew_s=8.4947,
     # The p2p round (sim/p2p.py) from C7-C8's round records (every region's rounds, their phases):
     # each pass the median seconds a value per unit of slowdown; groups 0 (made in round 0, before
     # the loop, and reused); p2p_fixed_s what the slowest region waited beyond the model's terms
-    # in the rounds after the first (the regions' arrival skew); the first round 1.23 s more than
-    # the later ones beyond the first batches' spread (round 0 is a collective: no 7 s stagger).
+    # in the rounds after the first (the regions' arrival skew); the first round 1.30 s more than
+    # the later ones beyond the first batches' spread (round 0 is a collective: no 8 s stagger).
     # The MAC check and the gather have constants of their own; since the pipeline (the gather and
     # the outer step run as the sum lands) the gather's fits 0 and the check is what is left after the transfer.
-    p2p_prepare_value_s=1.285e-09,
-    p2p_mac_value_s=1.028e-08,
-    p2p_check_value_s=1.72e-08,
-    p2p_step_value_s=9.94e-10,
+    p2p_prepare_value_s=2.23e-09,
+    p2p_mac_value_s=1.701e-08,
+    p2p_check_value_s=1.386e-08,
+    p2p_step_value_s=1.372e-09,
     p2p_gather_value_s=0.0,
-    p2p_fixed_s=0.2135,
-    p2p_startup_skew_s=1.232,
+    p2p_fixed_s=0.1886,
+    p2p_startup_skew_s=1.3039,
 )
 
 # A real network: 1,500-byte MTU, no forwarder, Linux's idle restart, 100 Gbit/s between the nodes

@@ -27,7 +27,9 @@ import math
 from dataclasses import dataclass, replace
 
 from geoshard.sim.config import LinkSpec, RegionSpec, SimConfig
-from geoshard.sim.links import new_connection_s, one_way, rate, transfer_s
+from geoshard.sim.links import delivered_s, new_connection_s, one_way, rate, transfer_s
+
+LEAD_BYTES = 256 << 10  # loaders/fetchqueue.py's: a piece starts once the ones before it have this much left
 
 
 @dataclass(frozen=True)
@@ -64,14 +66,18 @@ def first_piece_bytes(cfg: SimConfig) -> float:
 
 
 def second_piece_stall_s(cfg: SimConfig, link: LinkSpec, step_s: float) -> float:
-    """How long worker 0 waits, once, for its second piece on a new connection: requested about
-    when its first batch is handed, needed once the batches its first piece holds are consumed
-    (the rank takes its workers' batches in turn, ``accum_steps`` a step)."""
+    """How long worker 0 waits, once, for its second piece on a new connection: requested when its
+    first piece has ``LEAD_BYTES`` left to arrive (the fetch queue's rule: that long before the
+    first batch), needed once the batches its first piece holds are consumed (the rank takes its
+    workers' batches in turn, ``accum_steps`` a step)."""
     k = cfg.constants
-    batches = max(1, int(first_piece_bytes(cfg) // (cfg.batch_size * cfg.sample_bytes)))
+    piece = first_piece_bytes(cfg)
+    batches = max(1, int(piece // (cfg.batch_size * cfg.sample_bytes)))
     covered = (batches * max(1, cfg.num_workers) // cfg.accum_steps) * step_s
+    bps, rtt = rate(link, k), 2 * one_way(link)
+    early = delivered_s(piece, rtt, bps, k, fresh=True) - delivered_s(max(0.0, piece - LEAD_BYTES), rtt, bps, k, fresh=True)
     fetch = k.request_s + new_connection_s(min(cfg.chunk_bytes, cfg.shard_bytes), link, k)
-    return max(0.0, fetch - covered)
+    return max(0.0, fetch - early - covered)
 
 
 def shared(link: LinkSpec | None, flows: int, cfg: SimConfig) -> LinkSpec | None:
