@@ -332,9 +332,8 @@ def test_another_regions_bucket_first_piece_on_a_new_connection_and_the_second_p
     base = 10_000 / supply - 0.005  # below the demand of 10 KB / 0.005 s: the missing share each step
     assert fast.io_wait_s_per_step == pytest.approx(base + (piece - 0.33 - 0.05) / 100)
     assert loader.region_loader(cfg, regions[0], step_s=0.1).io_wait_s_per_step == 0.0  # 10 steps of 0.1 s cover it
-    from geoshard.split.writer import CHUNK_BYTES
-
     from geoshard.loaders.fetchqueue import LEAD_BYTES
+    from geoshard.split.writer import CHUNK_BYTES
 
     assert SimConfig(regions=regions, links=link).chunk_bytes == CHUNK_BYTES  # the model's default is the split's
     assert loader.LEAD_BYTES == LEAD_BYTES  # and its lead the fetch queue's
