@@ -52,22 +52,20 @@ def delivered_s(nbytes: float, rtt: float, bps: float, k: Constants, fresh: bool
     return (rounds - 1) * rtt + (nbytes - before) / bps
 
 
-def transfer_s(nbytes: float, link: LinkSpec | None, k: Constants, warm_bytes: float = 0.0) -> float:
+def transfer_s(nbytes: float, link: LinkSpec | None, k: Constants, warm_bytes: float = 0.0, fresh: bool = False) -> float:
     """Seconds to move ``nbytes`` over ``link`` on a flow that already moved ``warm_bytes`` without
-    pausing: one-way latency + the part of the ramp these bytes take + ``trip_s``."""
+    pausing: one-way latency + the part of the ramp these bytes take + ``trip_s``. ``fresh``: on a
+    new connection (``delivered_s``)."""
     if link is None:
         return nbytes / rate(None, k) + k.trip_s
     bps, rtt = rate(link, k), 2 * one_way(link)
-    return one_way(link) + delivered_s(warm_bytes + nbytes, rtt, bps, k) - delivered_s(warm_bytes, rtt, bps, k) + k.trip_s
+    return one_way(link) + delivered_s(warm_bytes + nbytes, rtt, bps, k, fresh) - delivered_s(warm_bytes, rtt, bps, k, fresh) + k.trip_s
 
 
 def new_connection_s(nbytes: float, link: LinkSpec | None, k: Constants) -> float:
     """A request of ``nbytes`` on a connection opened for it: the handshake's round trip, the
-    request out, then the bytes back on a window both ends start small (``delivered_s(fresh=True)``)."""
-    if link is None:
-        return transfer_s(nbytes, None, k)
-    bps, rtt = rate(link, k), 2 * one_way(link)
-    return rtt + 2 * one_way(link) + delivered_s(nbytes, rtt, bps, k, fresh=True) + k.trip_s
+    request out, then the bytes back on a window both ends start small."""
+    return 3 * one_way(link) + transfer_s(nbytes, link, k, fresh=True)
 
 
 def round_trip_s(link: LinkSpec | None, k: Constants) -> float:

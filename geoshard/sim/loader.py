@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, replace
 
 from geoshard.sim.config import LinkSpec, RegionSpec, SimConfig
-from geoshard.sim.links import delivered_s, new_connection_s, one_way, rate, transfer_s
+from geoshard.sim.links import new_connection_s, one_way, rate, transfer_s
 
 LEAD_BYTES = 256 << 10  # loaders/fetchqueue.py's: a piece starts once the ones before it have this much left
 
@@ -41,14 +41,17 @@ class LoaderPrediction:
     fetch_s: float  # one shard's fetch
 
 
-def shard_fetch_s(cfg: SimConfig, region: RegionSpec, nbytes: float, flows: int = 1) -> float:
-    """One fetch of ``nbytes``; ``flows``: the fetches sharing the link to another region's bucket."""
+def shard_fetch_s(cfg: SimConfig, region: RegionSpec, nbytes: float, flows: int = 1, new_connection: bool = False) -> float:
+    """One fetch of ``nbytes``; ``flows``: the fetches sharing the link to another region's bucket;
+    ``new_connection``: on a connection opened for it (another region's bucket only: a tier in the
+    region opens one in no time)."""
     k = cfg.constants
-    source = region.data_region or region.name
-    if region.tier == "s3" and source != region.name:
-        link = shared(cfg.link(region.name, source), flows, cfg)
-        return k.request_s + one_way(link) + transfer_s(nbytes, link, k)  # the request out, the bytes back
-    return k.request_s + nbytes / k.tier_rate(region.tier)
+    link = remote_link(cfg, region, flows)
+    if link is None:
+        return k.request_s + nbytes / k.tier_rate(region.tier)
+    if new_connection:
+        return k.request_s + new_connection_s(nbytes, link, k)
+    return k.request_s + one_way(link) + transfer_s(nbytes, link, k)  # the request out, the bytes back
 
 
 def remote_link(cfg: SimConfig, region: RegionSpec, flows: int) -> LinkSpec | None:
@@ -65,18 +68,21 @@ def first_piece_bytes(cfg: SimConfig) -> float:
     return float(min(cfg.shard_bytes, math.ceil(batch / cfg.chunk_bytes) * cfg.chunk_bytes))
 
 
-def second_piece_stall_s(cfg: SimConfig, link: LinkSpec, step_s: float) -> float:
+def second_piece_stall_s(cfg: SimConfig, region: RegionSpec, flows: int, step_s: float) -> float:
     """How long worker 0 waits, once, for its second piece on a new connection: requested when its
     first piece has ``LEAD_BYTES`` left to arrive (the fetch queue's rule: that long before the
     first batch), needed once the batches its first piece holds are consumed (the rank takes its
-    workers' batches in turn, ``accum_steps`` a step)."""
+    workers' batches in turn, ``accum_steps`` a step). Later epochs' workers start ``lookahead``
+    batches ahead (loaders/loader.py), which the model takes to hide their own."""
+    link = remote_link(cfg, region, flows)
+    if link is None:
+        return 0.0
     k = cfg.constants
     piece = first_piece_bytes(cfg)
     batches = max(1, int(piece // (cfg.batch_size * cfg.sample_bytes)))
     covered = (batches * max(1, cfg.num_workers) // cfg.accum_steps) * step_s
-    bps, rtt = rate(link, k), 2 * one_way(link)
-    early = delivered_s(piece, rtt, bps, k, fresh=True) - delivered_s(max(0.0, piece - LEAD_BYTES), rtt, bps, k, fresh=True)
-    fetch = k.request_s + new_connection_s(min(cfg.chunk_bytes, cfg.shard_bytes), link, k)
+    early = transfer_s(piece, link, k, fresh=True) - transfer_s(max(0.0, piece - LEAD_BYTES), link, k, fresh=True)
+    fetch = shard_fetch_s(cfg, region, min(cfg.chunk_bytes, cfg.shard_bytes), flows, new_connection=True)
     return max(0.0, fetch - early - covered)
 
 
@@ -93,18 +99,15 @@ def region_loader(cfg: SimConfig, region: RegionSpec, step_s: float) -> LoaderPr
     flows = region.ranks * max(1, cfg.num_workers)  # every worker of the region fetches at once
     manifest = shard_fetch_s(cfg, region, cfg.manifest_bytes, region.ranks)  # one manifest read per rank
     fetch = shard_fetch_s(cfg, region, cfg.shard_bytes, flows)
-    remote = remote_link(cfg, region, flows)
-    if remote is None:
-        first = k.startup_s + manifest + fetch
-    else:  # the worker's own new connection, and its first piece
-        first = k.startup_s + manifest + k.request_s + new_connection_s(first_piece_bytes(cfg), remote, k)
+    remote = remote_link(cfg, region, flows) is not None
+    # from another region's bucket, the worker's first piece on its own new connection
+    first = k.startup_s + manifest + (shard_fetch_s(cfg, region, first_piece_bytes(cfg), flows, new_connection=True) if remote else fetch)
     per_step = cfg.batch_size * cfg.accum_steps * cfg.sample_bytes
     supply = max(1, cfg.num_workers) * cfg.shard_bytes / fetch  # bytes/s a rank's workers deliver (on a shared link)
     demand = per_step / step_s if step_s > 0 else math.inf
     handoff = cfg.accum_steps * k.batch_s
     wait = handoff if supply >= demand else handoff + per_step / supply - step_s
-    if remote is not None:
-        wait += second_piece_stall_s(cfg, remote, step_s) / cfg.steps
+    wait += second_piece_stall_s(cfg, region, flows, step_s) / cfg.steps
     consumed = per_step * cfg.steps  # per rank
     shards = math.ceil(consumed / cfg.shard_bytes) + max(1, cfg.num_workers) * max(1, cfg.prefetch)
     fetched = float(shards * cfg.shard_bytes)
@@ -113,4 +116,4 @@ def region_loader(cfg: SimConfig, region: RegionSpec, step_s: float) -> LoaderPr
         epochs = math.ceil(consumed / share) if share > 0 else 1
         fetched = min(fetched, epochs * share)
     total = fetched * region.ranks
-    return LoaderPrediction(first, wait, total, total if remote is not None else 0.0, fetch)
+    return LoaderPrediction(first, wait, total, total if remote else 0.0, fetch)
