@@ -234,6 +234,7 @@ def run_one(spec: Spec, wan: Any, net: Any, endpoints: dict[str, str], env: dict
     row = {"phases": round_phases(out)} if spec.outer_transport == "p2p" and spec.sync == "diloco" else {}
     row |= {"spec": spec.__dict__, "seconds": round(seconds, 1), "measured": measured, "pairs": crossed, "plan": str(plan), "load": load}
     row["waits"] = step_waits(out)
+    row["starts"] = rank_starts(out)
     row["load_during"] = sampled.summary()
     return {**row, "outer_rounds_s": rounds}
 
@@ -247,6 +248,25 @@ def step_waits(out: Path, above_s: float = 0.01) -> dict[str, list[list[float]]]
         late = [r for r in recs if r["step"] > 1 and r["data_wait_s"] > above_s]
         waits[f.stem.removeprefix("steps-")] = [[r["step"], round(r["data_wait_s"], 3)] for r in late]
     return waits
+
+
+def rank_starts(out: Path) -> dict[str, dict[str, float]]:
+    """Per rank, its start-up on one time line: the process start and the loop's start, as
+    seconds after the earliest loop start, and its time to the first batch. Says whether the
+    ranks' loaders started together (crowding the host's cores) or one after another."""
+    ranks = {f.stem: json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))}
+    t0 = min((r["loop_started_at"] for r in ranks.values() if r.get("loop_started_at")), default=None)
+    if t0 is None:
+        return {}
+    return {
+        name: {
+            "process_s": round(r["started_at"] - t0, 3) if r.get("started_at") else None,
+            "loop_s": round(r["loop_started_at"] - t0, 3),
+            "first_batch_s": round(r["time_to_first_batch_s"], 3),
+        }
+        for name, r in ranks.items()
+        if r.get("loop_started_at")
+    }
 
 
 def round_phases(out: Path) -> list[dict[str, Any]]:
@@ -339,6 +359,7 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
     unit of host slowdown (each row's residual over its load / cores)."""
     from geoshard.sim import grad, predict
     from geoshard.sim.config import Constants
+    from geoshard.sim.loader import startup_s as loader_startup_s
     from geoshard.sim.outer import store_round
     from geoshard.sim.predict import compute_s
 
@@ -365,10 +386,13 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
     else:  # it does not (a loaded machine: the compute is waiting for a core): the median overhead alone
         k = replace(k, cpu_gflops=1e6, step_overhead_s=round(max(0.0, statistics.median(ys)), 5))
     # The loader's start-up: what the first batch takes beyond the manifest and the first shard.
+    # Per rank that starts alone: a run's residual over its crowding (sim/loader.py startup_s).
     rest = []
     for row in rows:
         p = predict(at(row, replace(k, startup_s=0.0)))
-        rest.append((row["measured"]["time_to_first_batch_s"] - p.time_to_first_batch_s) / slowdown(row))
+        cfg = at(row, k)
+        crowd = max(loader_startup_s(replace(cfg, constants=replace(cfg.constants, startup_s=1.0)), r) for r in cfg.regions)
+        rest.append((row["measured"]["time_to_first_batch_s"] - p.time_to_first_batch_s) / slowdown(row) / crowd)
     k = replace(k, startup_s=round(max(0.0, statistics.median(rest)), 4))
     # The hand-off of a batch from a worker when the workers keep up: the IO wait after the first batch.
     m = [r["measured"] for r in rows]
