@@ -7,14 +7,16 @@ region's address (``Rehearsal.expose``), every packet between regions behind ``-
 trained with ``launch_regions`` inside the namespaces (what ``geoshard train --regions --wan``
 does) and predicted with ``geoshard simulate --json --rehearsal`` from the same options.
 
-Two sets, never mixed: ``CALIBRATION`` (C1-C8; C7-C8 on the p2p transport) fits the model's few constants (the built-in
-model's CPU rate and per-step overhead, the loader's start-up, the comm hook's cost per bucket,
+Two sets, never mixed: ``CALIBRATION`` (C1-C10; C7-C8 and C10 on the p2p transport, C9-C10 on
+local replicas) fits the model's few constants (the built-in model's CPU rate and per-step
+overhead, the loader's start-up with and without an S3 client, the comm hook's cost per bucket,
 the per-message overhead of gloo's ring steps and hierarchical's extra, the store's per-request
-and per-byte cost, the first DiLoCo round's start-up skew, the p2p round's per-value passes, gather
-and residual from its round records' phases); each run samples the host's load
-through itself for the host slowdown; ``VALIDATION`` (25 configurations: flat / hierarchical / DiLoCo on the store and on p2p,
-H, overlap, accumulation, fp16, local vs remote data, 1-3 ranks per region) is predicted with
-those constants and the forwarder ceiling this rehearsal measured at its start, and compared per
+and per-byte cost, the first DiLoCo round's start-up skew, the p2p round's per-value passes,
+gather and residual from its round records' phases); each run samples the host's load through
+itself for the host slowdown; ``VALIDATION`` (27 configurations: flat / hierarchical / DiLoCo on
+the store and on p2p, H, overlap, accumulation, fp16, its own bucket, another region's or a local
+replica, 1-3 ranks per region) is predicted with those constants and the forwarder ceiling this
+rehearsal measured at its start, and compared per
 metric: median absolute relative error and the worst configuration.
 
     sudo .venv/bin/python bench/simulate_bench.py                    # ~30-40 minutes on 2 busy cores
@@ -64,6 +66,9 @@ class Spec:
     # C1-C6 and V1-V20 (12-04) ran the store transport; p2p became geoshard train's default after
     # them, and C7-C8 / V21-V25 run it (rows without the key are store runs)
     outer_transport: str = "store"
+    # Each region on its local replica (the split's folder), no bucket in the plan: the loader's
+    # start-up without an S3 client in its workers (C9; rows without the key read their buckets)
+    replica: bool = False
 
 
 CALIBRATION = (
@@ -80,6 +85,9 @@ CALIBRATION = (
     # (shards over two owners there, the in-region gather)
     Spec("C7", "diloco", hidden=768, outer_steps=8, outer_transport="p2p"),
     Spec("C8", "diloco", ranks=TWO, hidden=1024, outer_steps=6, outer_transport="p2p"),
+    # Local replicas: the start-up without an S3 client (startup_s; the buckets' runs give s3_startup_s)
+    Spec("C9", "flat", hidden=512, replica=True),
+    Spec("C10", "diloco", hidden=512, outer_steps=8, outer_transport="p2p", replica=True),
 )
 
 VALIDATION = (
@@ -108,6 +116,8 @@ VALIDATION = (
     Spec("V23", "diloco", hidden=1024, outer_steps=20, overlap=10, outer_transport="p2p"),
     Spec("V24", "diloco", ranks=TWO, hidden=768, outer_steps=10, outer_transport="p2p"),
     Spec("V25", "diloco", outer_steps=10, remote=True, outer_transport="p2p"),
+    Spec("V26", "hierarchical", ranks=TWO, replica=True),
+    Spec("V27", "diloco", outer_steps=10, outer_transport="p2p", replica=True),
 )
 
 # Not validation: DiLoCo runs reading another region's bucket (V20's) at three pseudo-gradient
@@ -173,6 +183,15 @@ def bucket_plan(path: Path, endpoints: dict[str, str]) -> Path:
     return path
 
 
+def replica_plan(path: Path, split: Path) -> Path:
+    """Every region on its local replica: the split's own folder for it, no bucket."""
+    from multiregion_bench import WEIGHTS
+
+    regions = "".join(f'[regions.{r}]\nweight = {w}\nlocal = "{split / r}"\n' for r, w in WEIGHTS.items())
+    path.write_text('[shards]\nbytes = "8MB"\n' + regions)
+    return path
+
+
 def sync(split: Path, server: Any, env: dict[str, str], work: Path) -> None:
     from multiregion_bench import WEIGHTS
 
@@ -191,9 +210,12 @@ def run_one(spec: Spec, wan: Any, net: Any, endpoints: dict[str, str], env: dict
     from geoshard.trainer.report import build_report
 
     reads = {r: READS_FROM[r] if spec.remote else r for r in WEIGHTS}
-    plan = bucket_plan(
-        args.json_out.with_suffix(f".plan-{'remote' if spec.remote else 'local'}.toml"), {r: endpoints[reads[r]] for r in WEIGHTS}
-    )
+    if spec.replica:
+        plan = replica_plan(args.json_out.with_suffix(".plan-replica.toml"), args.split)
+    else:
+        plan = bucket_plan(
+            args.json_out.with_suffix(f".plan-{'remote' if spec.remote else 'local'}.toml"), {r: endpoints[reads[r]] for r in WEIGHTS}
+        )
     out = work / f"run-{spec.name}"
     shutil.rmtree(out, ignore_errors=True)
     cfg = TrainConfig(
@@ -385,15 +407,22 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
         k = replace(k, cpu_gflops=round(1 / slope / 1e9, 3), step_overhead_s=round(max(intercept, 0.0), 5))
     else:  # it does not (a loaded machine: the compute is waiting for a core): the median overhead alone
         k = replace(k, cpu_gflops=1e6, step_overhead_s=round(max(0.0, statistics.median(ys)), 5))
-    # The loader's start-up: what the first batch takes beyond the manifest and the first shard.
-    # Per rank that starts alone: a run's residual over its crowding (sim/loader.py startup_s).
-    rest = []
-    for row in rows:
-        p = predict(at(row, replace(k, startup_s=0.0)))
+    # The loader's start-up: what the first batch takes beyond the manifest and the first shard, as
+    # a rank starting alone takes it (a run's residual over its crowding, sim/loader.py startup_s).
+    # startup_s from the runs on local replicas; s3_startup_s what the runs reading a bucket take
+    # beyond it (their workers' own S3 clients). Runs of before 12-07 have no replica run: startup_s alone.
+    def start_alone(row: dict[str, Any]) -> float:
+        p = predict(at(row, replace(k, startup_s=0.0, s3_startup_s=0.0)))
         cfg = at(row, k)
-        crowd = max(loader_startup_s(replace(cfg, constants=replace(cfg.constants, startup_s=1.0)), r) for r in cfg.regions)
-        rest.append((row["measured"]["time_to_first_batch_s"] - p.time_to_first_batch_s) / slowdown(row) / crowd)
-    k = replace(k, startup_s=round(max(0.0, statistics.median(rest)), 4))
+        unit = replace(cfg, constants=replace(cfg.constants, startup_s=1.0, s3_startup_s=0.0))
+        crowd = max(loader_startup_s(unit, r) for r in cfg.regions)
+        return (row["measured"]["time_to_first_batch_s"] - p.time_to_first_batch_s) / slowdown(row) / crowd
+
+    replica = [start_alone(row) for row in rows if row["spec"].get("replica")]
+    bucket = [start_alone(row) for row in rows if not row["spec"].get("replica")]
+    base = statistics.median(replica) if replica else statistics.median(bucket)
+    extra = statistics.median(bucket) - base if replica and bucket else 0.0
+    k = replace(k, startup_s=round(max(0.0, base), 4), s3_startup_s=round(max(0.0, extra), 4))
     # The hand-off of a batch from a worker when the workers keep up: the IO wait after the first batch.
     m = [r["measured"] for r in rows]
     waits = [x["io_wait_share_after_first_batch"] * x["step_s"] / r["spec"]["accum"] / slowdown(r) for x, r in zip(m, rows, strict=True)]
@@ -693,7 +722,7 @@ def main() -> int:
     t_start = time.monotonic()
     matrix = load_matrix(args.matrix)
     args.data.mkdir(parents=True, exist_ok=True)
-    split = make_split(args.data, args.samples, args.sample_bytes, args.shard_samples)
+    split = args.split = make_split(args.data, args.samples, args.sample_bytes, args.shard_samples)
     shards = [p.stat().st_size for p in split.rglob("*.tar")]
     args.shard_bytes = round(statistics.fmean(shards))
     work = Path(tempfile.mkdtemp(prefix="simulate-runs-", dir=args.data))

@@ -278,6 +278,31 @@ def test_loader_first_batch_wait_and_bytes_by_hand() -> None:
     assert slow.io_wait_s_per_step == pytest.approx(10_000 / (2e6 / 0.11) - 0.0005)
 
 
+def test_ranks_starting_together_share_the_hosts_cores_at_start_up() -> None:
+    # 2 cores, a 0.3 s start-up alone. Flat: the 4 ranks of one world start their loaders together,
+    # each has half a core: 0.6 s. DiLoCo: each region its own world; us-east-1's 2 ranks fit the cores.
+    k = Constants(startup_s=0.3, host_cores=2)
+    regions = (RegionSpec(US, 2), RegionSpec(EU, 1), RegionSpec(AP, 1))
+    flat = three(regions=regions, constants=k, sync="flat")
+    assert [loader.starting_together(flat, r) for r in regions] == [4, 4, 4]
+    assert loader.startup_s(flat, regions[1]) == pytest.approx(0.6)
+    diloco = dataclasses.replace(flat, sync="diloco")
+    assert [loader.starting_together(diloco, r) for r in regions] == [2, 1, 1]
+    assert [loader.startup_s(diloco, r) for r in regions] == [pytest.approx(0.3)] * 3
+    # 3 ranks on 2 cores: 1.5x; and ranks on nodes of their own (host_cores 0) never crowd
+    assert loader.startup_s(three(constants=k), regions[0]) == pytest.approx(0.45)
+    assert loader.startup_s(dataclasses.replace(flat, constants=dataclasses.replace(k, host_cores=0)), regions[0]) == 0.3
+    first = loader.region_loader(flat, regions[1], step_s=0.1).time_to_first_batch_s
+    alone = loader.region_loader(diloco, regions[1], step_s=0.1).time_to_first_batch_s
+    assert first - alone == pytest.approx(0.3)
+    # workers reading a bucket make their S3 clients first: 0.1 s more alone, 0.2 s at 4 ranks on 2 cores
+    s3k = dataclasses.replace(k, s3_startup_s=0.1)
+    bucket = RegionSpec(EU, 1, "s3")
+    assert loader.startup_s(dataclasses.replace(diloco, constants=s3k), bucket) == pytest.approx(0.4)
+    assert loader.startup_s(dataclasses.replace(flat, constants=s3k), bucket) == pytest.approx(0.8)
+    assert loader.startup_s(dataclasses.replace(flat, constants=s3k), regions[1]) == pytest.approx(0.6)  # a local replica
+
+
 def test_a_link_to_another_regions_bucket_is_shared_by_the_regions_workers() -> None:
     # 10 Mbit/s (1.25 MB/s) to eu-west-1's bucket, a warm-flow ramp of nothing (huge mss): two ranks
     # of two workers each are four flows of 0.3125 MB/s, not four of 1.25 MB/s

@@ -22,24 +22,25 @@ REHEARSAL = Constants(
     rto_min_s=10.0,  # the calibration set C1-C5 fits best with warm flows: no slow-start restart between steps here
     mss=64_948,  # TUN MTU 65,000 - 52 bytes of IPv4 and TCP headers with timestamps
     # Fitted by bench/simulate_bench.py on its calibration set C1-C8 on a quiet host (2026-12-07
-    # 09:34-10:07, load < 2 through each run; `--refit` of bench/_data/sim1207.json), with the
-    # loader's new connections to another region's bucket (sim/loader.py) and the samples' stored
-    # size; per unit of host slowdown (load / 2 cores, at least 1) where a constant is the host's
+    # 11:50-12:19, load < 1 through each run; `--refit` of bench/_data/sim1207b.json), with the
+    # loader's new connections to another region's bucket, the start-up's crowding on this host's
+    # cores (sim/loader.py) and the samples' stored size; per unit of host slowdown (load / 2 cores, at least 1) where a constant is the host's
     # (config.HOST_COSTS; fits at load 7.6-14.9 gave per-unit host costs of 0.5x to 4.5x quiet ones:
-    # load / 2 is a rough correction). The built-in model's compute fits 39 GFLOPS on these cores
+    # load / 2 is a rough correction). The built-in model's compute fits 39-55 GFLOPS on these cores
     # (12-04's fit found none: its size hid in the loop's and the sleep's time).
-    bucket_s=0.00344,
+    bucket_s=0.00302,
     trip_s=0.0,
-    hook_trip_s=0.01754,
-    cpu_gflops=39.078,
-    step_overhead_s=0.01594,  # once per optimizer step (not per micro-batch: predict.compute_s)
-    startup_s=0.5214,
-    batch_s=0.0004,
-    store_request_s=0.3389,
+    hook_trip_s=0.00751,
+    cpu_gflops=54.682,
+    step_overhead_s=0.01535,  # once per optimizer step (not per micro-batch: predict.compute_s)
+    startup_s=0.2411,
+    host_cores=2,  # this machine's: every region's ranks and their loader workers share them
+    batch_s=0.00039,
+    store_request_s=0.3341,
     store_byte_s=0.0,
     # The launch's stagger before the first DiLoCo round (C4 and C6: their median): every
     # region's processes start on this one shared host.
-    startup_skew_s=8.4947,
+    startup_skew_s=9.0955,
     # The p2p round (sim/p2p.py) from C7-C8's round records (every region's rounds, their phases):
     # each pass the median seconds a value per unit of slowdown; groups 0 (made in round 0, before
     # the loop, and reused); p2p_fixed_s what the slowest region waited beyond the model's terms
@@ -47,24 +48,31 @@ REHEARSAL = Constants(
     # the later ones beyond the first batches' spread (round 0 is a collective: no 8 s stagger).
     # The MAC check and the gather have constants of their own; since the pipeline (the gather and
     # the outer step run as the sum lands) the gather's fits 0 and the check is what is left after the transfer.
-    p2p_prepare_value_s=2.23e-09,
-    p2p_mac_value_s=1.701e-08,
-    p2p_check_value_s=1.386e-08,
-    p2p_step_value_s=1.372e-09,
+    p2p_prepare_value_s=2.466e-09,
+    p2p_mac_value_s=2.05e-08,
+    p2p_check_value_s=2.388e-08,
+    p2p_step_value_s=1.497e-09,
     p2p_gather_value_s=0.0,
-    p2p_fixed_s=0.1886,
-    p2p_startup_skew_s=1.3039,
+    p2p_fixed_s=0.1155,
+    p2p_startup_skew_s=1.4738,
 )
 
 # A real network: 1,500-byte MTU, no forwarder, Linux's idle restart, 100 Gbit/s between the nodes
 # of a region (an assumption, not a measurement). No launch stagger: the rehearsal's comes from
 # starting every region's processes on one shared host, which regions on their own nodes do not.
 WAN = dataclasses.replace(
-    REHEARSAL, ceiling_mb_s=None, mss=1448, rto_min_s=0.2, local_mb_s=12_500.0, startup_skew_s=0.0, p2p_startup_skew_s=0.0
+    REHEARSAL,
+    ceiling_mb_s=None,
+    mss=1448,
+    rto_min_s=0.2,
+    local_mb_s=12_500.0,
+    startup_skew_s=0.0,
+    p2p_startup_skew_s=0.0,
+    host_cores=0,
 )
 
 
-INT_KEYS = ("mss", "init_cwnd", "gloo_threads", "outer_trips_before", "outer_trips_after", "p2p_member_trips")
+INT_KEYS = ("mss", "init_cwnd", "host_cores", "gloo_threads", "outer_trips_before", "outer_trips_after", "p2p_member_trips")
 
 
 def load_constants(path: Path | None, base: Constants) -> Constants:

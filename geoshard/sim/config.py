@@ -20,6 +20,7 @@ HOST_COSTS = (
     "hook_trip_s",
     "step_overhead_s",
     "startup_s",
+    "s3_startup_s",
     "request_s",
     "batch_s",
     "checkpoint_s",
@@ -65,7 +66,14 @@ class Constants:
     local_mb_s: float = 2000.0  # a hop inside one region (loopback / the region's network)
     cpu_gflops: float = 10.0  # the built-in model's forward+backward rate per rank (6 x params x samples flops)
     step_overhead_s: float = 0.002  # per optimizer step outside compute: the loop's own bookkeeping
-    startup_s: float = 1.0  # loader start to the first fetch: worker processes, imports
+    startup_s: float = 1.0  # loader start to the first fetch: worker processes, the first read's set-up
+    # A worker that reads a bucket makes its own S3 client first (a forked one's pooled connections
+    # would be shared with its parent's): that much more start-up (geoshard/s3.py, bench/startup_bench.py).
+    s3_startup_s: float = 0.0
+    # The cores the ranks share: the ranks whose loaders start together (one world after its
+    # rendezvous) share them, so the last one's start-up takes startup_s x ranks / cores (each
+    # beyond the cores a share of their time). 0: every rank on cores of its own (nodes).
+    host_cores: int = 0
     request_s: float = 0.005  # one storage request's service time (GET, manifest read)
     tier_mb_s: tuple[tuple[str, float], ...] = (("local", 500.0), ("s3", 100.0), ("alluxio", 200.0))  # one worker's fetch rate
     batch_s: float = 0.0005  # a batch's hand-off from a worker to the training process

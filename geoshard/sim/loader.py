@@ -1,8 +1,11 @@
 """The loader's fetch pipeline per region: time to the first batch, IO wait after it, bytes per tier.
 
-- First batch: ``startup_s`` (the worker processes and their imports), the manifest read
+- First batch: ``startup_s`` (the worker processes; ``s3_startup_s`` more where they read a
+  bucket: each makes its own S3 client), the manifest read
   (a request, then its bytes), then the first shard: a request and ``shard_bytes`` over the path to
   the bucket the region reads (links.transfer_s on a fresh flow) or from the local/Alluxio tier.
+  On a host whose ``host_cores`` all ranks share (the rehearsal), the ranks that start together
+  share them: the start-up takes ranks / cores times as long (``startup_s``).
 - After it, each rank's ``num_workers`` workers fetch whole shards at the tier's rate (or the
   link's, for another region's bucket) while the rank consumes batch x accum x sample_bytes per
   step: supply = workers·shard/(fetch), demand = bytes per step / step time. With
@@ -93,6 +96,25 @@ def shared(link: LinkSpec | None, flows: int, cfg: SimConfig) -> LinkSpec | None
     return replace(link, bandwidth_mbit=rate(link, cfg.constants) * 8 / 1e6 / flows)
 
 
+def starting_together(cfg: SimConfig, region: RegionSpec) -> int:
+    """The ranks whose loaders start with ``region``'s: one world's ranks all enter the loop within
+    a fraction of a second, after the collectives that make its loader; a DiLoCo region is its own
+    world, and the regions' loops began 1.9-5.5 s apart (bench/simulate_bench.py's ``starts``,
+    12-07), longer than a start-up takes."""
+    return region.ranks if cfg.sync == "diloco" else cfg.world_size
+
+
+def startup_s(cfg: SimConfig, region: RegionSpec) -> float:
+    """The loader's start-up for ``region``'s last rank: ``startup_s``, plus ``s3_startup_s`` where
+    its workers read a bucket; longer where the ranks starting together outnumber the cores they
+    share (processor sharing: each gets cores / ranks of one)."""
+    k = cfg.constants
+    alone = k.startup_s + (k.s3_startup_s if region.tier == "s3" else 0.0)
+    if not k.host_cores:
+        return alone
+    return alone * max(1.0, starting_together(cfg, region) / k.host_cores)
+
+
 def region_loader(cfg: SimConfig, region: RegionSpec, step_s: float) -> LoaderPrediction:
     """``step_s``: the rank's time per optimizer step without data wait (compute and sync)."""
     k = cfg.constants
@@ -101,7 +123,8 @@ def region_loader(cfg: SimConfig, region: RegionSpec, step_s: float) -> LoaderPr
     fetch = shard_fetch_s(cfg, region, cfg.shard_bytes, flows)
     remote = remote_link(cfg, region, flows) is not None
     # from another region's bucket, the worker's first piece on its own new connection
-    first = k.startup_s + manifest + (shard_fetch_s(cfg, region, first_piece_bytes(cfg), flows, new_connection=True) if remote else fetch)
+    piece = shard_fetch_s(cfg, region, first_piece_bytes(cfg), flows, new_connection=True) if remote else fetch
+    first = startup_s(cfg, region) + manifest + piece
     per_step = cfg.batch_size * cfg.accum_steps * cfg.sample_bytes
     supply = max(1, cfg.num_workers) * cfg.shard_bytes / fetch  # bytes/s a rank's workers deliver (on a shared link)
     demand = per_step / step_s if step_s > 0 else math.inf
