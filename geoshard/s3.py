@@ -88,6 +88,27 @@ def bucket_region(name: str | None) -> str | None:
     return name if name and _AWS_REGION.match(name) else None
 
 
+_data_loader: Any = None  # botocore's service models, parsed once per process and inherited by forks
+
+
+def _botocore_session() -> Any:
+    """A new botocore session (its own credentials and connection pools: nothing a forked loader
+    worker shares with its parent) on the process's one data loader. A session of its own parses
+    S3's service model and endpoint rules again: in a forked loader worker about 170 of the 235 ms
+    its first batch took, once per worker and epoch (bench/startup_bench.py)."""
+    import botocore.session
+
+    global _data_loader
+    session = botocore.session.get_session()
+    # No lock (one held across a fork would stay held in the child): two threads racing here
+    # only parse the models twice.
+    if _data_loader is None:
+        _data_loader = session.get_component("data_loader")
+    else:
+        session.register_component("data_loader", _data_loader)
+    return session
+
+
 def client(endpoint: str | None, profile: str | None = None, region: str | None = None, timeouts: Timeouts = Timeouts()) -> Any:
     """A boto3 S3 client for a bucket of plan region ``region`` (see :func:`bucket_region`).
 
@@ -96,22 +117,18 @@ def client(endpoint: str | None, profile: str | None = None, region: str | None 
     from botocore.config import Config
     from botocore.exceptions import ProfileNotFound
 
-    try:
-        session = boto3.session.Session(profile_name=profile) if profile else boto3.session.Session()
+    config = Config(
+        connect_timeout=timeouts.connect_s,
+        read_timeout=timeouts.read_s,
+        retries={"total_max_attempts": timeouts.attempts, "mode": "standard"},  # the first try included
+        max_pool_connections=timeouts.pool,
+    )
+    try:  # a missing profile shows when the session or its client is made, depending on boto3's version
+        session = boto3.session.Session(botocore_session=_botocore_session(), profile_name=profile)
+        return session.client("s3", endpoint_url=endpoint, region_name=bucket_region(region), config=config)
     except ProfileNotFound as e:
         fix = f"; fix regions.{region}.profile in the plan" if region else ""
         raise ConfigError(f"AWS profile {profile!r} not found in the AWS config{fix}") from e
-    return session.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name=bucket_region(region),
-        config=Config(
-            connect_timeout=timeouts.connect_s,
-            read_timeout=timeouts.read_s,
-            retries={"total_max_attempts": timeouts.attempts, "mode": "standard"},  # the first try included
-            max_pool_connections=timeouts.pool,
-        ),
-    )
 
 
 def classify(e: BaseException) -> Failure:

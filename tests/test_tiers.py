@@ -125,6 +125,45 @@ class TestS3Tier(TierContract):
         t.client.close()  # type: ignore[attr-defined]
 
 
+def _model(client: object) -> object:
+    return client.meta.service_model._service_description  # type: ignore[attr-defined]  # botocore's parsed JSON: no public handle
+
+
+def test_s3_clients_share_the_parsed_service_model_and_nothing_else(aws: SeaweedS3) -> None:
+    from geoshard import s3
+
+    a, b = s3.client(aws.endpoint, region="us-east-1"), s3.client(aws.endpoint, region="eu-west-1")
+    with contextlib.closing(a), contextlib.closing(b):
+        assert _model(a) is _model(b)  # parsed once (about 60 ms of a core each time otherwise)
+        assert a.meta.events is not b.meta.events  # a session each: handlers, credentials
+        assert a._endpoint.http_session is not b._endpoint.http_session  # type: ignore[attr-defined]  # a pool each
+        assert a.meta.region_name == "us-east-1" and b.meta.region_name == "eu-west-1"
+
+
+def test_a_forked_workers_s3_client_reads_on_the_inherited_model(aws: SeaweedS3, bucket: str) -> None:
+    """What a DataLoader worker does: fork from a process that has a client, make its own, read."""
+    from geoshard import s3
+
+    with contextlib.closing(s3.client(aws.endpoint, region="us-east-1")) as parent:
+        model = _model(parent)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: one byte says what it saw, and it leaves without pytest's teardown
+            code = b"?"
+            try:
+                c = s3.client(aws.endpoint, region="us-east-1")
+                body = c.get_object(Bucket=bucket, Key="train/a.tar")["Body"].read()
+                code = b"1" if body == FILES["a.tar"] and _model(c) is model else b"0"
+            finally:
+                os.write(w, code)
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            seen = f.read()
+        os.waitpid(pid, 0)
+    assert seen == b"1"
+
+
 class TestAlluxioTier(TierContract):
     @pytest.fixture
     def tier(self, tmp_path: Path) -> Iterator[Tier]:
