@@ -326,12 +326,18 @@ def main() -> int:
     return 0
 
 
-def run_all(args: argparse.Namespace, server: SeaweedS3, split: Path, runs_dir: Path, hidden: bool, results: dict[str, Any]) -> None:
-    """Publish the split to the server, calibrate the link, then every repetition of every run."""
+def bucket_env(server: SeaweedS3) -> dict[str, str]:
+    """This environment with the server's credentials and no default endpoint (plans name theirs)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT_URL")}
     env.update(server.env(endpoint=False))
     for k in SeaweedS3.UNSET_ENV:
         env.pop(k, None)
+    return env
+
+
+def run_all(args: argparse.Namespace, server: SeaweedS3, split: Path, runs_dir: Path, hidden: bool, results: dict[str, Any]) -> None:
+    """Publish the split to the server, calibrate the link, then every repetition of every run."""
+    env = bucket_env(server)
     server.make_bucket(BUCKET)
     sync_plan = region_plan(runs_dir / "plan-sync.toml", endpoint=server.endpoint)
     subprocess.run([GEOSHARD, "sync", str(split), "--plan", str(sync_plan)], check=True, env=env, capture_output=True, timeout=1800)

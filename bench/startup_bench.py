@@ -75,7 +75,7 @@ def main() -> int:
     if args.child:
         return child(args.child[0], int(args.child[1]), args.child[2], args.epochs)
 
-    from iowait_bench import BUCKET, make_split, region_plan
+    from iowait_bench import BUCKET, bucket_env, make_split, region_plan
     from servers import SeaweedS3
 
     args.data.mkdir(parents=True, exist_ok=True)
@@ -84,10 +84,7 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     try:
         with SeaweedS3(weed) as server:
-            env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT_URL")}
-            env.update(server.env(endpoint=False))
-            for k in SeaweedS3.UNSET_ENV:
-                env.pop(k, None)
+            env = bucket_env(server)
             server.make_bucket(BUCKET)
             plan = region_plan(weed / "plan.toml", endpoint=server.endpoint)
             shards = tomllib.loads((split.parent / "plan.toml").read_text())["shards"]["bytes"]  # sync checks the split's

@@ -21,40 +21,44 @@ REHEARSAL = Constants(
     ceiling_mb_s=850.0,  # docs/benchmarks.md, wan_bench accuracy: 856 MB/s median at load 7-10 (a run passes its own)
     rto_min_s=10.0,  # the calibration set C1-C5 fits best with warm flows: no slow-start restart between steps here
     mss=64_948,  # TUN MTU 65,000 - 52 bytes of IPv4 and TCP headers with timestamps
-    # Fitted by bench/simulate_bench.py on its calibration set C1-C8 on a quiet host (2026-12-07
-    # 11:50-12:19, load < 1 through each run; `--refit` of bench/_data/sim1207b.json), with the
+    # Fitted by bench/simulate_bench.py on its calibration set C1-C10 on a quiet host (2026-12-07
+    # 12:27-13:04, load < 2 through each run; `--refit` of bench/_data/sim1207c.json), with the
     # loader's new connections to another region's bucket, the start-up's crowding on this host's
-    # cores (sim/loader.py) and the samples' stored size; per unit of host slowdown (load / 2 cores, at least 1) where a constant is the host's
-    # (config.HOST_COSTS; fits at load 7.6-14.9 gave per-unit host costs of 0.5x to 4.5x quiet ones:
-    # load / 2 is a rough correction). The built-in model's compute fits 39-55 GFLOPS on these cores
-    # (12-04's fit found none: its size hid in the loop's and the sleep's time).
-    bucket_s=0.00302,
+    # cores, the S3 client a worker reading a bucket makes (sim/loader.py; with the shared service
+    # model of geoshard/s3.py) and the samples' stored size; per unit of host slowdown (load / 2
+    # cores, at least 1) where a constant is the host's (config.HOST_COSTS; fits at load 7.6-14.9
+    # gave per-unit host costs of 0.5x to 4.5x quiet ones: load / 2 is a rough correction). The
+    # built-in model's compute fits 39-69 GFLOPS on these cores (12-04's fit found none: its size
+    # hid in the loop's and the sleep's time).
+    bucket_s=0.00319,
     trip_s=0.0,
-    hook_trip_s=0.00751,
-    cpu_gflops=54.682,
-    step_overhead_s=0.01535,  # once per optimizer step (not per micro-batch: predict.compute_s)
-    startup_s=0.2411,
+    hook_trip_s=0.01587,
+    cpu_gflops=68.987,
+    step_overhead_s=0.01869,  # once per optimizer step (not per micro-batch: predict.compute_s)
+    s3_startup_s=0.0267,
+    startup_s=0.017,
     host_cores=2,  # this machine's: every region's ranks and their loader workers share them
-    batch_s=0.00039,
-    store_request_s=0.3341,
+    batch_s=0.00051,
+    store_request_s=0.309,
     store_byte_s=0.0,
     # The launch's stagger before the first DiLoCo round (C4 and C6: their median): every
     # region's processes start on this one shared host.
-    startup_skew_s=9.0955,
-    # The p2p round (sim/p2p.py) from C7-C8's round records (every region's rounds, their phases):
-    # each pass the median seconds a value per unit of slowdown; groups 0 (made in round 0, before
-    # the loop, and reused); p2p_fixed_s what the slowest region waited beyond the model's terms
-    # in the rounds after the first (the regions' arrival skew); the first round 1.30 s more than
-    # the later ones beyond the first batches' spread (round 0 is a collective: no 8 s stagger).
-    # The MAC check and the gather have constants of their own; since the pipeline (the gather and
-    # the outer step run as the sum lands) the gather's fits 0 and the check is what is left after the transfer.
-    p2p_prepare_value_s=2.466e-09,
-    p2p_mac_value_s=2.05e-08,
-    p2p_check_value_s=2.388e-08,
-    p2p_step_value_s=1.497e-09,
-    p2p_gather_value_s=0.0,
-    p2p_fixed_s=0.1155,
-    p2p_startup_skew_s=1.4738,
+    startup_skew_s=9.1389,
+    # The p2p round (sim/p2p.py) from C7, C8 and C10's round records (every region's rounds, their
+    # phases): each pass the median seconds a value per unit of slowdown; groups 0 (made in round
+    # 0, before the loop, and reused); p2p_fixed_s what the slowest region waited beyond the
+    # model's terms in the rounds after the first (the regions' arrival skew: 0 this fit, 0.12-0.19
+    # s before); the first round 1.26 s more than the later ones beyond the first batches' spread
+    # (round 0 is a collective: no 9 s stagger). The MAC check and the gather have constants of
+    # their own; since the pipeline (the gather and the outer step run as the sum lands) the
+    # gather's fits 0-7e-9 s a value and the check is what is left after the transfer.
+    p2p_prepare_value_s=3.255e-09,
+    p2p_mac_value_s=2.451e-08,
+    p2p_check_value_s=1.27e-08,
+    p2p_step_value_s=1.383e-09,
+    p2p_gather_value_s=6.878e-09,
+    p2p_fixed_s=0.0,
+    p2p_startup_skew_s=1.2615,
 )
 
 # A real network: 1,500-byte MTU, no forwarder, Linux's idle restart, 100 Gbit/s between the nodes
