@@ -351,9 +351,9 @@ def test_a_proposal_run_under_the_rehearsal_lands_within_20_percent_on_utilizati
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="the WAN rehearsal needs root (CAP_NET_ADMIN)")
 @pytest.mark.xfail(
-    reason="the sim's calibration is not there yet on this machine: in the 2026-12-04 20:02 run (p2p, load 1-4) the "
-    "overlapped DiLoCo round's wait held (0.19 s predicted, 0.21 s measured; on the store at 16:39 3.56 s against 0.08 s), "
-    "but the first batch did not (0.34 s against 0.05 s) nor the IO wait share (0.0014 against 0.0062)",
+    reason="the sim's calibration is not there yet on this machine: in the 2026-12-07 13:1x run (p2p, load < 2) the "
+    "first batch (0.027 s predicted, 0.054 s measured) and the IO wait share (0.0038 against 0.0073) held within their "
+    "floors, but the overlapped DiLoCo round's wait did not (0.12 s against 0.19 s; 0.19 s against 0.21 s on 12-04)",
     strict=False,
 )
 def test_the_other_reported_fields_land_within_20_percent(rehearsed: Rehearsed) -> None:
