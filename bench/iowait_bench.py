@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -103,8 +104,14 @@ def make_split(data: Path, samples: int, sample_bytes: int, shard_samples: int) 
     return root / "split"
 
 
-def region_plan(path: Path, *, local: Path | None = None, endpoint: str | None = None) -> Path:
-    lines = [f"[regions.{REGION}]", "weight = 1"]
+def split_shard_bytes(split: Path) -> int:
+    """The shard size ``make_split`` made ``split`` with: a plan that syncs it must say the same."""
+    return int(tomllib.loads((split.parent / "plan.toml").read_text())["shards"]["bytes"])
+
+
+def region_plan(path: Path, *, local: Path | None = None, endpoint: str | None = None, shard_bytes: int | None = None) -> Path:
+    lines = [] if shard_bytes is None else ["[shards]", f"bytes = {shard_bytes}"]
+    lines += [f"[regions.{REGION}]", "weight = 1"]
     if local is not None:
         lines.append(f'local = "{local}"')
     if endpoint is not None:
@@ -339,7 +346,7 @@ def run_all(args: argparse.Namespace, server: SeaweedS3, split: Path, runs_dir: 
     """Publish the split to the server, calibrate the link, then every repetition of every run."""
     env = bucket_env(server)
     server.make_bucket(BUCKET)
-    sync_plan = region_plan(runs_dir / "plan-sync.toml", endpoint=server.endpoint)
+    sync_plan = region_plan(runs_dir / "plan-sync.toml", endpoint=server.endpoint, shard_bytes=split_shard_bytes(split))
     subprocess.run([GEOSHARD, "sync", str(split), "--plan", str(sync_plan)], check=True, env=env, capture_output=True, timeout=1800)
     shards = json.loads((split / REGION / "manifest.json").read_text())["shards"]
     bytes_per_sample = results["config"]["bytes_per_sample"]

@@ -407,6 +407,7 @@ def fit(rows: list[dict[str, Any]], base: Any, args: argparse.Namespace) -> Any:
         k = replace(k, cpu_gflops=round(1 / slope / 1e9, 3), step_overhead_s=round(max(intercept, 0.0), 5))
     else:  # it does not (a loaded machine: the compute is waiting for a core): the median overhead alone
         k = replace(k, cpu_gflops=1e6, step_overhead_s=round(max(0.0, statistics.median(ys)), 5))
+
     # The loader's start-up: what the first batch takes beyond the manifest and the first shard, as
     # a rank starting alone takes it (a run's residual over its crowding, sim/loader.py startup_s).
     # startup_s from the runs on local replicas; s3_startup_s what the runs reading a bucket take

@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +74,7 @@ def main() -> int:
     if args.child:
         return child(args.child[0], int(args.child[1]), args.child[2], args.epochs)
 
-    from iowait_bench import BUCKET, bucket_env, make_split, region_plan
+    from iowait_bench import BUCKET, bucket_env, make_split, region_plan, split_shard_bytes
     from servers import SeaweedS3
 
     args.data.mkdir(parents=True, exist_ok=True)
@@ -86,9 +85,7 @@ def main() -> int:
         with SeaweedS3(weed) as server:
             env = bucket_env(server)
             server.make_bucket(BUCKET)
-            plan = region_plan(weed / "plan.toml", endpoint=server.endpoint)
-            shards = tomllib.loads((split.parent / "plan.toml").read_text())["shards"]["bytes"]  # sync checks the split's
-            plan.write_text(f"[shards]\nbytes = {shards}\n" + plan.read_text())
+            plan = region_plan(weed / "plan.toml", endpoint=server.endpoint, shard_bytes=split_shard_bytes(split))
             argv = [GEOSHARD, "sync", str(split), "--plan", str(plan)]
             r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)
             if r.returncode:
