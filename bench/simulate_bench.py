@@ -174,12 +174,15 @@ def train_argv(spec: Spec, plan: Path, args: argparse.Namespace) -> list[str]:
     return argv
 
 
+SHARDS = '[shards]\nbytes = "8MB"\n'  # the shard size multiregion_bench's split was made with
+
+
 def bucket_plan(path: Path, endpoints: dict[str, str]) -> Path:
     """multiregion_bench's plan with the shard size its split was made with (sync refuses another)."""
     from multiregion_bench import bucket_plan as regions_plan
 
     regions_plan(path, endpoints)
-    path.write_text('[shards]\nbytes = "8MB"\n' + path.read_text())
+    path.write_text(SHARDS + path.read_text())
     return path
 
 
@@ -188,7 +191,7 @@ def replica_plan(path: Path, split: Path) -> Path:
     from multiregion_bench import WEIGHTS
 
     regions = "".join(f'[regions.{r}]\nweight = {w}\nlocal = "{split / r}"\n' for r, w in WEIGHTS.items())
-    path.write_text('[shards]\nbytes = "8MB"\n' + regions)
+    path.write_text(SHARDS + regions)
     return path
 
 

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -461,3 +462,28 @@ def test_a_slow_tier_puts_the_run_over_its_io_wait_budget(plan: Path, tmp_path: 
     assert over.exit_code == 1, over.output
     within = runner.invoke(main, ["report", str(fast), "--budget", str(BUDGET), "--fail-over-budget"])
     assert within.exit_code == 0 and "within budget" in within.output, within.output
+
+
+def test_a_ranks_stdout_lines_are_one_write_each_under_torchruns_unbuffered_python() -> None:
+    """torchrun runs ranks as ``python -u``: print's text and newline were two writes, and two ranks'
+    start lines ran together on the stdout they share (CI, 12-07). The trainer's entry point makes
+    each line one write."""
+    code = (
+        "import sys\n"
+        "from geoshard.trainer.__main__ import one_write_per_line\n"
+        "before = sys.stdout.write_through\n"
+        "one_write_per_line()\n"
+        "print('geoshard.trainer: a start line', flush=True)\n"
+        "print(before, sys.stdout.write_through, sys.stdout.line_buffering)\n"
+    )
+    argv = [sys.executable, "-u", "-P", "-c", code]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["geoshard.trainer: a start line", "True False True"]
+    strace = shutil.which("strace")
+    if strace is None:
+        return
+    traced = subprocess.run([strace, "-f", "-e", "trace=write", *argv], capture_output=True, text=True, timeout=60, check=False)
+    # "[pid N] " leads each line where the process has threads (the imports start some)
+    writes = [re.sub(r"^\[pid +\d+\] ", "", line) for line in traced.stderr.splitlines() if "write(1," in line]
+    assert writes and writes[0].startswith('write(1, "geoshard.trainer: a start line\\n"'), writes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import sys
@@ -31,10 +32,20 @@ def process_started_at() -> float:
 STARTED_AT = process_started_at()
 
 
+def one_write_per_line() -> None:
+    """torchrun starts ranks with ``python -u``, where print's text and its newline are two writes
+    to the stdout every rank of the job shares, and two ranks' lines ran together (a DiLoCo job's
+    regions announce at the same instant). Line buffered, each line is one write, and still out as
+    soon as it ends."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True, write_through=False)
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @train_options
 def main(**kwargs: Any) -> None:
     """Train the demo model with DDP on one region's data and write RUN_DIR/report.json."""
+    one_write_per_line()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from geoshard.trainer.failures import record_crash, record_failure
     from geoshard.trainer.loop import start_environment, train

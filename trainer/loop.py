@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import re
-import sys
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -252,34 +251,29 @@ def _with_job(summary: RankSummary, cfg: TrainConfig, ctx: RankContext, loader: 
     )
 
 
-def _say(line: str) -> None:
-    """One line to stdout in one write: every region's ranks share the launcher's stdout, unbuffered
-    (``python -u``), where print's text and its newline are two writes that another rank's can split."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
 def _announce(cfg: TrainConfig, ctx: RankContext, balance: Any, sync: str) -> None:
     """Rank 0 says once where the ranks are and what each epoch leaves out or repeats."""
     if sync == "diloco" and cfg.model == "none":
-        _say(
+        print(
             f"geoshard.trainer: {ctx.region}: {ctx.group_size} of the job's {ctx.world_size} rank(s); --model none: "
-            "no model, so no outer rounds between the regions (no pseudo-gradients to average)"
+            "no model, so no outer rounds between the regions (no pseudo-gradients to average)",
+            flush=True,
         )
     elif sync == "diloco":
         inner = "DDP in the region" if ctx.group_size > 1 else "one rank in the region, no DDP"
-        _say(
+        print(
             f"geoshard.trainer: {ctx.region}: {ctx.group_size} of the job's {ctx.world_size} rank(s); {inner}, "
             f"DiLoCo across {cfg.outer_regions} every {cfg.outer_steps} steps (outer lr {cfg.outer_lr:g}, "
             f"momentum {cfg.outer_momentum:g}{', Nesterov' if cfg.outer_nesterov else ''}, {cfg.outer_compression}"
             f"{'' if cfg.outer_error_feedback or cfg.outer_compression == 'none' else ' without error feedback'}"
             + (f"; peer to peer, sharded over every rank, {cfg.outer_streams} streams" if cfg.outer_transport == "p2p" else "")
-            + ")"
+            + ")",
+            flush=True,
         )
     else:
-        _say(f"geoshard.trainer: {ctx.world_size} rank(s): {ctx.topology.describe()}; gradient sync {sync}")
+        print(f"geoshard.trainer: {ctx.world_size} rank(s): {ctx.topology.describe()}; gradient sync {sync}", flush=True)
     if balance is not None:
-        _say(f"geoshard.trainer: {balance.line()}")
+        print(f"geoshard.trainer: {balance.line()}", flush=True)
         plan = load_plan(cfg.plan)
         for warning in balance.weight_warnings({r: plan.region(r).weight for r in ctx.topology.region_names}):
             log.warning("%s", warning)

@@ -99,7 +99,7 @@ def shared(link: LinkSpec | None, flows: int, cfg: SimConfig) -> LinkSpec | None
 def starting_together(cfg: SimConfig, region: RegionSpec) -> int:
     """The ranks whose loaders start with ``region``'s: one world's ranks all enter the loop within
     a fraction of a second, after the collectives that make its loader; a DiLoCo region is its own
-    world, and the regions' loops began 1.9-5.5 s apart (bench/simulate_bench.py's ``starts``,
+    world, and the regions' loops began 0.5-2.1 s apart (bench/simulate_bench.py's ``starts``,
     12-07), longer than a start-up takes."""
     return region.ranks if cfg.sync == "diloco" else cfg.world_size
 
