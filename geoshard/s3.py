@@ -124,7 +124,12 @@ def client(endpoint: str | None, profile: str | None = None, region: str | None 
         max_pool_connections=timeouts.pool,
     )
     try:  # a missing profile shows when the session or its client is made, depending on boto3's version
-        session = boto3.session.Session(botocore_session=_botocore_session(), profile_name=profile)
+        core = _botocore_session()
+        session = boto3.session.Session(botocore_session=core, profile_name=profile)
+        # Each boto3 session appends its data folder to the loader's search paths: on the shared
+        # loader, once per client made, a list that grew for as long as the process ran.
+        paths = core.get_component("data_loader").search_paths
+        paths[:] = dict.fromkeys(paths)
         return session.client("s3", endpoint_url=endpoint, region_name=bucket_region(region), config=config)
     except ProfileNotFound as e:
         fix = f"; fix regions.{region}.profile in the plan" if region else ""

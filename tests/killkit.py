@@ -38,3 +38,51 @@ def run_and_kill(
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(30)
                 proc.kill()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process under ``pid`` (Linux /proc), parents before children."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def finish(job: subprocess.Popen[str], out: Path, timeout: float = 300) -> str:
+    """``job``'s output (a ``geoshard train`` run into ``out``), once it ended with status 0. Past
+    ``timeout`` every rank and loader worker prints its threads' stacks (SIGUSR1, the trainer's
+    faulthandler) into the run's stderr log, the job is killed with all it started, and the test
+    fails with the ends of its output and of that log: where it hung, not only that it did."""
+    try:
+        text = job.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        tree = descendants(job.pid)
+        for pid in tree:
+            if "geoshard.trainer" in _cmdline(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+        time.sleep(3)  # the stacks reach the log through the launcher's relay
+        for pid in [job.pid, *tree]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        text = job.communicate()[0]
+        log = out / "logs" / "stderr.log"
+        stacks = log.read_text(errors="replace")[-12000:] if log.exists() else "(no stderr log)"
+        raise AssertionError(f"no end in {timeout} s; output:\n{text[-3000:]}\nstderr log:\n{stacks}") from None
+    assert job.returncode == 0, text[-4000:]
+    return text

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from genkit import EU, US, add_source, bucket_of, gen_plan, keys_by_epoch, refresh
+from killkit import finish
 from servers import SeaweedS3
 from synckit import cli, objects
 
@@ -42,12 +43,6 @@ def _wait_for_steps(out: Path, n: int, job: subprocess.Popen[str], timeout: floa
     raise AssertionError(f"no {n} steps logged in {timeout} s")
 
 
-def _finish(job: subprocess.Popen[str]) -> str:
-    text = job.communicate(timeout=300)[0]
-    assert job.returncode == 0, text[-4000:]
-    return text
-
-
 def _first_generation(tmp: Path, server: SeaweedS3) -> tuple[Path, Path, Path, set[str]]:
     """A plan, generation 1 published from ``FIRST`` samples: (plan, sources, run folder, its keys)."""
     plan = gen_plan(tmp, server, local=False)
@@ -65,7 +60,7 @@ def test_a_refresh_reaches_every_region_at_one_epoch_boundary_with_follow_refres
     _wait_for_steps(out, 3, job)
     new = add_source(src, "b", ADDED)
     assert refresh(src, plan, tmp_path / "split")["split"]["generation"] == 2
-    _finish(job)
+    finish(job, out)
 
     seen = keys_by_epoch(out)
     epochs = sorted({e for _, e in seen})
@@ -99,7 +94,7 @@ def test_without_follow_refresh_the_job_finishes_on_its_pinned_generation_while_
     for r in (US, EU):  # shards only generation 1 names: pruned but for the job's lease
         only_first = {s.path for s in first[r].shards} - {s.path for s in read_region_manifest(split / r).shards}
         assert only_first and all(f"train/{p}" in objects(aws, bucket_of(plan, r)) for p in only_first), r
-    text = _finish(job)
+    text = finish(job, out)
     assert "NoSuchKey" not in text
     seen = keys_by_epoch(out)
     epochs = sorted({e for _, e in seen})
@@ -120,10 +115,10 @@ def test_without_follow_refresh_the_job_finishes_on_its_pinned_generation_while_
 def test_a_resume_after_a_refresh_ends_its_epoch_on_the_checkpoints_generation_then_follows(aws: SeaweedS3, tmp_path: Path) -> None:
     plan, src, out, old = _first_generation(tmp_path, aws)
     split = tmp_path / "split"
-    _finish(_train(plan, out, 15, "--checkpoint-every", "5"))  # stops in epoch 1 (10 steps per epoch)
+    finish(_train(plan, out, 15, "--checkpoint-every", "5"), out)  # stops in epoch 1 (10 steps per epoch)
     new = add_source(src, "b", ADDED)
     refresh(src, plan, split)
-    text = _finish(_train(plan, out, 45, "--checkpoint-every", "5", "--resume", "--follow-refresh"))
+    text = finish(_train(plan, out, 45, "--checkpoint-every", "5", "--resume", "--follow-refresh"), out)
     assert text.count("resumed at step 15") == 2, text[-3000:]
     seen = keys_by_epoch(out)
     epochs = sorted({e for _, e in seen})
@@ -150,7 +145,7 @@ def test_regions_published_apart_train_on_the_generation_all_have_and_a_stale_re
 
     first = tmp_path / "first"
     first.mkdir()
-    _finish(_train(plan, first, 12))
+    finish(_train(plan, first, 12), first)
     report = json.loads((first / "report.json").read_text())
     assert {r: report["regions"][r]["generations"] for r in (US, EU)} == {US: {"0": 1, "1": 1}, EU: {"0": 1, "1": 1}}
     assert set(keys_by_epoch(first)[(EU, 0)][1]) == old  # eu-west-1 read generation 1 (its bucket's history copy)
@@ -159,7 +154,7 @@ def test_regions_published_apart_train_on_the_generation_all_have_and_a_stale_re
     assert read_region_manifest(replica[US]).generation == 1
     second = tmp_path / "second"
     second.mkdir()
-    _finish(_train(plan, second, 12))
+    finish(_train(plan, second, 12), second)
     report = json.loads((second / "report.json").read_text())
     assert {r: set(report["regions"][r]["generations"].values()) for r in (US, EU)} == {US: {2}, EU: {2}}
     assert set(keys_by_epoch(second)[(US, 0)][1]) == old | new

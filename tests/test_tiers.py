@@ -138,6 +138,12 @@ def test_s3_clients_share_the_parsed_service_model_and_nothing_else(aws: Seaweed
         assert a.meta.events is not b.meta.events  # a session each: handlers, credentials
         assert a._endpoint.http_session is not b._endpoint.http_session  # type: ignore[attr-defined]  # a pool each
         assert a.meta.region_name == "us-east-1" and b.meta.region_name == "eu-west-1"
+    # boto3 adds its data folder to the loader's search paths per session: not once per client
+    paths = list(s3._botocore_session().get_component("data_loader").search_paths)
+    for _ in range(5):
+        s3.client(aws.endpoint).close()
+    assert s3._botocore_session().get_component("data_loader").search_paths == paths
+    assert len(paths) == len(set(paths)), paths
 
 
 def test_a_forked_workers_s3_client_reads_on_the_inherited_model(aws: SeaweedS3, bucket: str) -> None:

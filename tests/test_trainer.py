@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from alluxio_standin import AlluxioWorkerStandIn
 from click.testing import CliRunner
+from killkit import descendants
 from servers import closed_port, free_ports
 from test_loaders import EU, region_samples, split
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -487,3 +488,31 @@ def test_a_ranks_stdout_lines_are_one_write_each_under_torchruns_unbuffered_pyth
     # "[pid N] " leads each line where the process has threads (the imports start some)
     writes = [re.sub(r"^\[pid +\d+\] ", "", line) for line in traced.stderr.splitlines() if "write(1," in line]
     assert writes and writes[0].startswith('write(1, "geoshard.trainer: a start line\\n"'), writes
+
+
+@pytest.mark.slow
+def test_sigusr1_prints_every_ranks_and_workers_stacks_and_the_job_goes_on(plan: Path, tmp_path: Path) -> None:
+    """A job that seems stuck: ``kill -USR1`` on its ranks and loader workers prints where each of
+    their threads is (faulthandler), and training goes on to its end."""
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    steps = 40
+    with launched(torchrun_argv(plan, out, "--steps", steps, "--num-workers", 1, "--step-time", 0.1), log, cwd=tmp_path) as proc:
+        deadline = time.monotonic() + 120
+        while last_step(out / "steps-rank0.jsonl") < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        rank0 = rank_pid(proc.pid, 0)
+        assert rank0 is not None
+        workers = [p for p in descendants(rank0) if b"geoshard.trainer" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert workers, "rank 0's loader worker"
+        for pid in (rank0, *workers):
+            os.kill(pid, signal.SIGUSR1)
+        code = proc.wait(timeout=240)
+    text = log.read_text()
+    assert code == 0, text[-5000:]
+    assert last_step(out / "steps-rank0.jsonl") == steps
+    dumps = [d for d in re.split(r"\n(?=Thread 0x|Current thread 0x)", text) if re.match(r"(Current t|T)hread 0x", d)]
+    main_threads = [d for d in dumps if "in _loop" in d]  # the rank's training loop, in trainer/loop.py
+    worker_threads = [d for d in dumps if "in _worker_loop" in d]  # torch's DataLoader worker
+    assert main_threads and worker_threads, text[-5000:]
+    assert all("geoshard/trainer/__main__.py" in d or "trainer/__main__.py" in d for d in main_threads), main_threads[0]

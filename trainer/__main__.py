@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -46,6 +48,9 @@ def one_write_per_line() -> None:
 def main(**kwargs: Any) -> None:
     """Train the demo model with DDP on one region's data and write RUN_DIR/report.json."""
     one_write_per_line()
+    # A job that seems stuck: SIGUSR1 to a rank (or a loader worker, which inherits this) prints
+    # every thread's stack to stderr, the run's logs/stderr.log under geoshard train.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from geoshard.trainer.failures import record_crash, record_failure
     from geoshard.trainer.loop import start_environment, train
