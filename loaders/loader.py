@@ -22,7 +22,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from geoshard.errors import ConfigError
+from geoshard.errors import ConfigError, DataError
 from geoshard.loaders.chain import ChainSettings
 from geoshard.loaders.dataset import RegionalDataset
 from geoshard.loaders.decode import PackedBatch, unpack
@@ -51,6 +51,8 @@ class RegionalLoader(DataLoader[Any]):
             raise ConfigError(f"num_workers must be 0 or more, got {num_workers}")
         # collate_fn: items pass as the workers made them (DataLoader would turn numpy arrays into
         # tensors, which cross processes through a shared-memory segment each: slow for small ones).
+        if not num_workers:  # no workers to wait for: the rank's own reads are bounded by its tiers' timeouts
+            kwargs["timeout"] = 0  # (DataLoader refuses one at the first batch)
         super().__init__(dataset, batch_size=None, num_workers=num_workers, collate_fn=_as_is, **kwargs)
         if kwargs.get("multiprocessing_context") is not None:  # the workers' own kind of shared memory
             dataset.egress = dataset.egress.moved_to(self.multiprocessing_context)
@@ -127,7 +129,7 @@ class RegionalLoader(DataLoader[Any]):
         self._iterations += 1
         iteration = self._iterations
         counting = self.num_workers > 0  # in the main process the dataset counts for itself
-        for worker, n, stats, item in it:
+        for worker, n, stats, item in self._bounded(it):
             if isinstance(item, WorkerFailure):
                 raise item.error
             if counting:
@@ -141,6 +143,24 @@ class RegionalLoader(DataLoader[Any]):
             if isinstance(item, PackedBatch):  # TensorSpec: views of its shared slot (or of its own array)
                 item = unpack(item, self._slots.open(item.slot, item.nbytes) if self._slots and item.slot >= 0 else item.data)
             yield item
+
+    def _bounded(self, it: Iterator[Any]) -> Iterator[Any]:
+        """``it``, where DataLoader's ``timeout`` (no batch from the workers in that long) is a
+        one-line DataError instead of its RuntimeError."""
+        while True:
+            try:
+                got = next(it)
+            except StopIteration:
+                return
+            except RuntimeError as e:
+                if not (self.timeout and str(e).startswith("DataLoader timed out")):
+                    raise
+                ds = self.dataset
+                raise DataError(
+                    f"region {ds.region} rank {ds.rank}: no batch from the loader's workers in {self.timeout:g} s (the loader's "
+                    "timeout); a worker is stuck: SIGUSR1 to it prints where, under geoshard train (docs/cli.md)"
+                ) from None
+            yield got
 
     def __len__(self) -> int:
         # DataLoader's own would also warn when an epoch yields more items than this, as one

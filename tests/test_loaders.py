@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -17,7 +19,7 @@ from servers import SeaweedS3, closed_port
 from splitkit import REGIONS, make_corpus
 from synckit import cli
 
-from geoshard.errors import ConfigError
+from geoshard.errors import ConfigError, DataError
 from geoshard.formats import tfrecord, wds
 from geoshard.formats.example import parse_example
 from geoshard.loaders import AllTiersFailed, ChainSettings, RegionalDataset, make_loader, timed
@@ -284,6 +286,30 @@ def test_loader_error_in_a_worker_reaches_the_training_loop(tmp_path: Path) -> N
     loader = make_loader(plan, region=EU, batch_size=8, num_workers=2)
     with pytest.raises(AllTiersFailed, match="no tier could serve it"):
         list(loader)
+
+
+def _worker_pid(samples: list[Any]) -> int:
+    return os.getpid()
+
+
+def test_a_stuck_worker_is_one_line_naming_the_rank_after_the_loaders_timeout(wds_plan: Path) -> None:
+    """A worker that stops answering (SIGSTOP here; a deadlock in a user's) ends the iteration
+    with one DataError after ``timeout``, not a wait without end."""
+    loader = make_loader(wds_plan, region=EU, batch_size=8, num_workers=1, collate_fn=_worker_pid, timeout=1.5)
+    it = iter(loader)
+    worker = next(it)
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DataError) as e:
+            for _ in it:  # the batches already queued, then the wait
+                pass
+        waited = time.monotonic() - t0
+    finally:
+        os.kill(worker, signal.SIGCONT)
+        del it
+    assert str(e.value).startswith(f"region {EU} rank 0: no batch from the loader's workers in 1.5 s"), e.value
+    assert "\n" not in str(e.value) and 1.5 <= waited < 10, waited
 
 
 def test_timed_measures_the_consumers_wait(wds_plan: Path) -> None:

@@ -208,6 +208,7 @@ def _make_loader(cfg: TrainConfig, ctx: RankContext) -> RegionalLoader:
         allow_cross_region=cfg.allow_cross_region,
         follow_refresh=cfg.follow_refresh,
         lease=lease_name(cfg.out),
+        timeout=float(cfg.collective_timeout),  # a stuck loader worker ends the rank, as a stuck peer does
     )
 
 

@@ -165,7 +165,11 @@ _OPTIONS = [
         help="Read other regions' buckets as a last resort [default: the plan's [egress] cross_region, off unless set].",
     ),
     click.option(
-        "--collective-timeout", default=600, show_default=True, type=int, help="Seconds a collective waits for a peer before failing."
+        "--collective-timeout",
+        default=600,
+        show_default=True,
+        type=int,
+        help="Seconds a collective waits for a peer, or the loader for a batch from its workers, before the rank fails.",
     ),
     click.option(
         "--model",
