@@ -64,12 +64,19 @@ def _cmdline(pid: int) -> str:
 
 
 def finish(job: subprocess.Popen[str], out: Path, timeout: float = 300) -> str:
-    """``job``'s output (a ``geoshard train`` run into ``out``), once it ended with status 0. Past
-    ``timeout`` every rank and loader worker prints its threads' stacks (SIGUSR1, the trainer's
-    faulthandler) into the run's stderr log, the job is killed with all it started, and the test
-    fails with the ends of its output and of that log: where it hung, not only that it did."""
+    """``job``'s output (a ``geoshard train`` run into ``out``, stderr merged into stdout), once it
+    ended with status 0; see :func:`finish_both`."""
+    return finish_both(job, out, timeout)[0]
+
+
+def finish_both(job: subprocess.Popen[str], out: Path, timeout: float = 300) -> tuple[str, str]:
+    """``job``'s stdout and stderr (a ``geoshard train`` run into ``out``), once it ended with
+    status 0. Past ``timeout`` every rank and loader worker prints its threads' stacks (SIGUSR1,
+    the trainer's faulthandler) into the run's stderr log, the job is killed with all it started,
+    and the test fails with the ends of its output and of that log: where it hung, not only that
+    it did (and no job left running into the next test)."""
     try:
-        text = job.communicate(timeout=timeout)[0]
+        stdout, stderr = job.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         tree = descendants(job.pid)
         for pid in tree:
@@ -80,9 +87,10 @@ def finish(job: subprocess.Popen[str], out: Path, timeout: float = 300) -> str:
         for pid in [job.pid, *tree]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        text = job.communicate()[0]
+        stdout, stderr = job.communicate()
         log = out / "logs" / "stderr.log"
         stacks = log.read_text(errors="replace")[-12000:] if log.exists() else "(no stderr log)"
-        raise AssertionError(f"no end in {timeout} s; output:\n{text[-3000:]}\nstderr log:\n{stacks}") from None
-    assert job.returncode == 0, text[-4000:]
-    return text
+        said = (stdout or "")[-3000:] + (stderr or "")[-3000:]
+        raise AssertionError(f"no end in {timeout} s; output:\n{said}\nstderr log:\n{stacks}") from None
+    assert job.returncode == 0, (stdout or "")[-3000:] + (stderr or "")[-3000:]
+    return stdout or "", stderr or ""

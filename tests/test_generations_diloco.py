@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from genkit import EU, US, add_source, keys_by_epoch, refresh
+from killkit import finish_both
 from servers import SeaweedS3
 from test_generations_train import ADDED, _first_generation, _wait_for_steps
 
@@ -37,12 +38,6 @@ def _diloco(plan: Path, out: Path, steps: int, sync: str = "diloco", follow: boo
     argv += ["--sync", "diloco", "--outer-steps", str(H)] if sync == "diloco" else []
     argv += ["--follow-refresh"] if follow else []
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=out.parent)
-
-
-def _finish(job: subprocess.Popen[str]) -> tuple[str, str]:
-    stdout, stderr = job.communicate(timeout=400)
-    assert job.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    return stdout, stderr
 
 
 def _wait_for_switch_or_epoch(out: Path, region: str, epoch: int, job: subprocess.Popen[str], timeout: float = 180) -> None:
@@ -102,7 +97,7 @@ def test_a_nightly_refresh_during_a_p2p_diloco_run_moves_both_regions_at_one_epo
     _wait_for_steps(out, 3, job)
     new = add_source(src, "b", ADDED)
     assert refresh(src, plan, tmp_path / "split")["split"]["generation"] == 2
-    stdout, stderr = _finish(job)
+    stdout, stderr = finish_both(job, out, 400)
     for r in (US, EU):
         line = (
             f"geoshard.trainer: {r}: 1 of the job's 2 rank(s); one rank in the region, no DDP, DiLoCo across {US}:1,{EU}:1 every {H} steps"
@@ -126,7 +121,7 @@ def test_a_refresh_that_reaches_one_region_first_moves_no_region_before_both_hav
     refresh(src, plan, tmp_path / "split", "--region", EU)
     _wait_for_switch_or_epoch(out, EU, 3, job)
     refresh(src, plan, tmp_path / "split")
-    _finish(job)
+    finish_both(job, out, 400)
     by_epoch = _generations(out, old, new)
     if sync == "diloco":
         _rounds(out, steps, by_epoch)
@@ -142,7 +137,7 @@ def test_regions_published_apart_train_on_the_generation_both_have_under_diloco(
     add_source(src, "b", ADDED)
     assert refresh(src, plan, tmp_path / "split", "--region", EU)["split"]["generation"] == 2
     steps = 20
-    stdout, stderr = _finish(_diloco(plan, out, steps, follow=False))
+    stdout, stderr = finish_both(_diloco(plan, out, steps, follow=False), out, 400)
     assert all(f"geoshard.trainer: {r}: 1 of the job's 2 rank(s)" in stdout for r in (US, EU)), stdout[:3000]
     assert "WARNING" not in stderr and "Traceback" not in stderr, stderr[-3000:]
     seen = keys_by_epoch(out)
