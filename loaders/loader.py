@@ -49,10 +49,10 @@ class RegionalLoader(DataLoader[Any]):
             raise ConfigError("persistent_workers is not supported: each epoch's workers start where that epoch starts")
         if num_workers < 0:
             raise ConfigError(f"num_workers must be 0 or more, got {num_workers}")
-        # collate_fn: items pass as the workers made them (DataLoader would turn numpy arrays into
-        # tensors, which cross processes through a shared-memory segment each: slow for small ones).
         if not num_workers:  # no workers to wait for: the rank's own reads are bounded by its tiers' timeouts
             kwargs["timeout"] = 0  # (DataLoader refuses one at the first batch)
+        # collate_fn: items pass as the workers made them (DataLoader would turn numpy arrays into
+        # tensors, which cross processes through a shared-memory segment each: slow for small ones).
         super().__init__(dataset, batch_size=None, num_workers=num_workers, collate_fn=_as_is, **kwargs)
         if kwargs.get("multiprocessing_context") is not None:  # the workers' own kind of shared memory
             dataset.egress = dataset.egress.moved_to(self.multiprocessing_context)

@@ -56,11 +56,22 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+# What docs/cli.md tells a user to signal: torchrun starts ranks as ``python -u -m geoshard.trainer``
+# (loader workers fork from them and keep it); its agents (``-m torch.distributed.run ... -m
+# geoshard.trainer``) do not match, and SIGUSR1 would end them.
+RANKS_PATTERN = "-u -m geoshard.trainer"
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def rank_processes(pid: int) -> list[int]:
+    """The ranks and loader workers under ``pid`` that ``pkill -USR1 -f -- '-u -m geoshard.trainer'`` signals."""
+    return [p for p in descendants(pid) if RANKS_PATTERN in _cmdline(p)]
 
 
 def finish(job: subprocess.Popen[str], out: Path, timeout: float = 300) -> str:
@@ -78,11 +89,11 @@ def finish_both(job: subprocess.Popen[str], out: Path, timeout: float = 300) -> 
     try:
         stdout, stderr = job.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        for pid in rank_processes(job.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+            time.sleep(0.3)  # one at a time: processes dumping at once mix their lines in the shared log
         tree = descendants(job.pid)
-        for pid in tree:
-            if "geoshard.trainer" in _cmdline(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGUSR1)
         time.sleep(3)  # the stacks reach the log through the launcher's relay
         for pid in [job.pid, *tree]:
             with contextlib.suppress(ProcessLookupError):
