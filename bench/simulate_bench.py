@@ -129,6 +129,9 @@ PROBES = (
     Spec("P3", "diloco", hidden=1024, outer_steps=10, remote=True),
     Spec("P4", "diloco", hidden=1024, outer_steps=10),
     Spec("P5", "flat", remote=True),  # V6: a flat run reading remote, whose steps are longer
+    # the store's first round at two model sizes (issue 21: its excess grows with the model)
+    Spec("P6", "diloco", hidden=512, outer_steps=6),
+    Spec("P7", "diloco", ranks=TWO, hidden=1024, outer_steps=6),  # C6's configuration
 )
 
 # report.json's figures compared; shares and seconds are relative errors of the figure itself.
@@ -256,10 +259,11 @@ def run_one(spec: Spec, wan: Any, net: Any, endpoints: dict[str, str], env: dict
     # Each round's wait (the slowest region's), not compared: the first one also waits for the
     # regions' start-up skew, which a model of it would be fitted from.
     rounds = [r["sync_s"] for r in (rep.get("outer") or {}).get("rounds", [])]
-    row = {"phases": round_phases(out)} if spec.outer_transport == "p2p" and spec.sync == "diloco" else {}
+    row = {"phases": round_phases(out)} if spec.sync == "diloco" else {}
     row |= {"spec": spec.__dict__, "seconds": round(seconds, 1), "measured": measured, "pairs": crossed, "plan": str(plan), "load": load}
     row["waits"] = step_waits(out)
     row["starts"] = rank_starts(out)
+    row["arrivals"] = round_arrivals(out)
     row["load_during"] = sampled.summary()
     return {**row, "outer_rounds_s": rounds}
 
@@ -294,8 +298,27 @@ def rank_starts(out: Path) -> dict[str, dict[str, float]]:
     }
 
 
+def round_arrivals(out: Path) -> dict[str, list[float]]:
+    """Per rank, when it reached each outer round (the step records with an outer wait: the step's
+    end less that wait), as seconds after the earliest loop start: how far apart the regions
+    arrive at the first round, and whether their steps before it ran at one speed."""
+    ranks = {f.stem: json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))}
+    t0 = min((r["loop_started_at"] for r in ranks.values() if r.get("loop_started_at")), default=None)
+    if t0 is None:
+        return {}
+    arrivals = {}
+    for name, r in ranks.items():
+        f = out / f"steps-{name}.jsonl"
+        if not r.get("loop_started_at") or not f.exists():
+            continue
+        recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        at = [r["loop_started_at"] - t0 + x["t"] - x["outer_sync_s"] for x in recs if x.get("outer_sync_s")]
+        arrivals[name] = [round(a, 3) for a in at]
+    return arrivals
+
+
 def round_phases(out: Path) -> list[dict[str, Any]]:
-    """Every region leader's p2p round records: where each round's exchange went (``phases``)."""
+    """Every region leader's round records: what each round's exchange took (p2p: where it went, ``phases``)."""
     from geoshard.trainer.diloco.record import read_rounds
 
     return [

@@ -689,3 +689,27 @@ import socket, sys
 with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30) as s:
     s.sendall(bytes(1 << 20))
 """
+
+
+def test_a_jumbo_mtu_gets_a_receive_buffer_of_a_real_paths_segments() -> None:
+    """The default scales with the MTU (45 segments either way); the maximum is never lowered."""
+    from geoshard.wan.rehearsal import receive_buffer_for_mtu
+
+    assert receive_buffer_for_mtu("4096 131072 33554432", 65000) == f"4096 {131072 * 64948 // 1448} 33554432"
+    assert receive_buffer_for_mtu("4096 131072 4194304", 65000) == f"4096 {131072 * 64948 // 1448} {131072 * 64948 // 1448}"
+    assert receive_buffer_for_mtu("4096 131072 33554432", 1500) is None  # a real path's MTU: the kernel's own
+    assert receive_buffer_for_mtu("4096 8388608 33554432", 9001) is None  # already as large
+    assert receive_buffer_for_mtu("garbled", 65000) is None
+
+
+@needs_root
+def test_the_rehearsals_namespaces_scale_the_receive_buffer_unless_told() -> None:
+    key = "net.ipv4.tcp_rmem"
+    m = parse_matrix(matrix_text(5.0, regions=(US, EU)), source="m.toml")
+    with Rehearsal(m, measure_ceiling=False) as wan:
+        _low, default, high = (int(x) for x in wan_netns.get_sysctl(wan.netns(US), key).split())
+        assert default >= 5_000_000 and high >= default
+    with Rehearsal(m, measure_ceiling=False, mtu=1500) as wan:
+        assert int(wan_netns.get_sysctl(wan.netns(EU), key).split()[1]) < 1_000_000
+    with Rehearsal(m, measure_ceiling=False, sysctls={key: "4096 262144 8388608"}) as wan:
+        assert wan_netns.get_sysctl(wan.netns(EU), key).split() == ["4096", "262144", "8388608"]

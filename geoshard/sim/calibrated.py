@@ -21,6 +21,11 @@ REHEARSAL = Constants(
     ceiling_mb_s=850.0,  # docs/benchmarks.md, wan_bench accuracy: 856 MB/s median at load 7-10 (a run passes its own)
     rto_min_s=10.0,  # the calibration set C1-C5 fits best with warm flows: no slow-start restart between steps here
     mss=64_948,  # TUN MTU 65,000 - 52 bytes of IPv4 and TCP headers with timestamps
+    # The rehearsal's namespaces scale tcp_rmem's default with the MTU (wan/rehearsal.py
+    # receive_buffer_for_mtu: 5,879,049 bytes at 65,000), so a new connection's window is half that,
+    # and the sender's initial 10 x 64,948 bytes limits it, as on a real path (before 12-07 23:00:
+    # the kernel's 131,072-byte buffer, a window of 65,536 bytes, one segment).
+    init_rwnd=5_879_049 // 2,
     # Fitted by bench/simulate_bench.py on its calibration set C1-C10 on a quiet host (2026-12-07
     # 12:27-13:04, load < 2 through each run; `--refit` of bench/_data/sim1207c.json), with the
     # loader's new connections to another region's bucket, the start-up's crowding on this host's

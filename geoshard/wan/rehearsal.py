@@ -95,6 +95,30 @@ def paced_default(allowed: Path = ALLOWED_CC) -> dict[str, str]:
     return {"net.ipv4.tcp_congestion_control": "bbr"} if "bbr" in names else {}
 
 
+REAL_MSS = 1448  # a 1,500-byte path's TCP payload per segment (IPv4 and TCP headers with timestamps)
+RMEM = "net.ipv4.tcp_rmem"
+KERNEL_RMEM = 131_072  # Linux's tcp_rmem default: a new connection's receive buffer
+
+
+def receive_buffer_for_mtu(current: str, mtu: int) -> str | None:
+    """The ``tcp_rmem`` that gives a connection's receive buffer as many segments at ``mtu`` as the
+    kernel's default gives on a 1,500-byte path (``current``: the namespace's "min default max");
+    None where its default already holds them. Linux starts every connection's buffer at the default (131,072
+    bytes: a 64 KB window, 45 segments of 1,448 bytes) and grows it as the reader keeps up. At the
+    rehearsal's 65,000 MTU that window is one segment, and it grows so slowly that a TCPStore
+    client's 5 MB multi_get over a 220 ms round trip took 9.4, 6.5, 2.1, 1.9 and 1.5 s in five
+    rounds, against 1.1-1.3 s from the first at MTU 1,500 (2026-12-07): a cost of the rehearsal's
+    large packets, not of a real path. The maximum is kept (never lowered)."""
+    fields = current.split()
+    if len(fields) != 3 or not all(f.isdigit() for f in fields) or mtu <= 1500:
+        return None
+    low, default, high = (int(f) for f in fields)
+    scaled = KERNEL_RMEM * (mtu - 52) // REAL_MSS
+    if scaled <= default:
+        return None
+    return f"{low} {scaled} {max(high, scaled)}"
+
+
 class Rehearsal:
     def __init__(
         self,
@@ -113,7 +137,8 @@ class Rehearsal:
         them). ``sysctls``: ``net.*`` settings made in every region's namespace, as a region's hosts
         would have them (a new namespace has the kernel's defaults, not the host's), e.g.
         ``{"net.ipv4.tcp_slow_start_after_idle": "0"}``. Unless they name it, the namespaces use
-        BBR where the host allows it (``paced_default``), whatever the host's own default."""
+        BBR where the host allows it (``paced_default``), whatever the host's own default, and
+        above a 1,500 MTU a receive buffer of a real path's segments (``receive_buffer_for_mtu``)."""
         self.matrix = matrix
         self._realtime = realtime
         if not 576 <= mtu <= MTU:
@@ -243,6 +268,8 @@ class Rehearsal:
                     netns.configure_region(ns, tun, IFNAME, self._addresses[r], peers, self.mtu)
                     for key, value in self.sysctls.items():
                         netns.set_sysctl(ns, key, value)
+                    if RMEM not in self.sysctls and (rmem := receive_buffer_for_mtu(netns.get_sysctl(ns, RMEM), self.mtu)):
+                        netns.set_sysctl(ns, RMEM, rmem)
                 self._start_forwarder(fds)
             finally:
                 for fd in fds:
