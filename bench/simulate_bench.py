@@ -279,12 +279,18 @@ def step_waits(out: Path, above_s: float = 0.01) -> dict[str, list[list[float]]]
     return waits
 
 
+def _ranks_on_one_line(out: Path) -> tuple[dict[str, dict[str, Any]], float | None]:
+    """The ranks' summaries (rank*.json) that have a loop start, and the earliest loop start."""
+    ranks = {f.stem: json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))}
+    ranks = {name: r for name, r in ranks.items() if r.get("loop_started_at")}
+    return ranks, min((r["loop_started_at"] for r in ranks.values()), default=None)
+
+
 def rank_starts(out: Path) -> dict[str, dict[str, float]]:
     """Per rank, its start-up on one time line: the process start and the loop's start, as
     seconds after the earliest loop start, and its time to the first batch. Says whether the
     ranks' loaders started together (crowding the host's cores) or one after another."""
-    ranks = {f.stem: json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))}
-    t0 = min((r["loop_started_at"] for r in ranks.values() if r.get("loop_started_at")), default=None)
+    ranks, t0 = _ranks_on_one_line(out)
     if t0 is None:
         return {}
     return {
@@ -294,7 +300,6 @@ def rank_starts(out: Path) -> dict[str, dict[str, float]]:
             "first_batch_s": round(r["time_to_first_batch_s"], 3),
         }
         for name, r in ranks.items()
-        if r.get("loop_started_at")
     }
 
 
@@ -302,14 +307,13 @@ def round_arrivals(out: Path) -> dict[str, list[float]]:
     """Per rank, when it reached each outer round (the step records with an outer wait: the step's
     end less that wait), as seconds after the earliest loop start: how far apart the regions
     arrive at the first round, and whether their steps before it ran at one speed."""
-    ranks = {f.stem: json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))}
-    t0 = min((r["loop_started_at"] for r in ranks.values() if r.get("loop_started_at")), default=None)
+    ranks, t0 = _ranks_on_one_line(out)
     if t0 is None:
         return {}
     arrivals = {}
     for name, r in ranks.items():
         f = out / f"steps-{name}.jsonl"
-        if not r.get("loop_started_at") or not f.exists():
+        if not f.exists():
             continue
         recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
         at = [r["loop_started_at"] - t0 + x["t"] - x["outer_sync_s"] for x in recs if x.get("outer_sync_s")]

@@ -95,7 +95,8 @@ def paced_default(allowed: Path = ALLOWED_CC) -> dict[str, str]:
     return {"net.ipv4.tcp_congestion_control": "bbr"} if "bbr" in names else {}
 
 
-REAL_MSS = 1448  # a 1,500-byte path's TCP payload per segment (IPv4 and TCP headers with timestamps)
+TCP_IP_HEADERS = 52  # IPv4 and TCP headers with timestamps: a segment's payload is the MTU less these
+REAL_MSS = 1500 - TCP_IP_HEADERS  # a real path's payload per segment
 RMEM = "net.ipv4.tcp_rmem"
 KERNEL_RMEM = 131_072  # Linux's tcp_rmem default: a new connection's receive buffer
 
@@ -106,14 +107,14 @@ def receive_buffer_for_mtu(current: str, mtu: int) -> str | None:
     None where its default already holds them. Linux starts every connection's buffer at the default (131,072
     bytes: a 64 KB window, 45 segments of 1,448 bytes) and grows it as the reader keeps up. At the
     rehearsal's 65,000 MTU that window is one segment, and it grows so slowly that a TCPStore
-    client's 5 MB multi_get over a 220 ms round trip took 9.4, 6.5, 2.1, 1.9 and 1.5 s in five
-    rounds, against 1.1-1.3 s from the first at MTU 1,500 (2026-12-07): a cost of the rehearsal's
-    large packets, not of a real path. The maximum is kept (never lowered)."""
+    client's multi_get of 2 x 2.6 MB over a 220 ms round trip took 9.4, 6.5, 2.1, 1.9 and 1.5 s in
+    five rounds, against 1.1-1.3 s from the first at MTU 1,500 (2026-12-07, bench/store_probe.py
+    ``--rounds``): a cost of the rehearsal's large packets, not of a real path. The maximum is kept (never lowered)."""
     fields = current.split()
     if len(fields) != 3 or not all(f.isdigit() for f in fields) or mtu <= 1500:
         return None
     low, default, high = (int(f) for f in fields)
-    scaled = KERNEL_RMEM * (mtu - 52) // REAL_MSS
+    scaled = KERNEL_RMEM * (mtu - TCP_IP_HEADERS) // REAL_MSS
     if scaled <= default:
         return None
     return f"{low} {scaled} {max(high, scaled)}"
